@@ -1,0 +1,157 @@
+"""The vocabulary of a pipeline timetable: operations, actions and schedules."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+
+
+class ScheduleError(ValueError):
+    """A timetable that cannot run: an action missing, duplicated, misplaced or deadlocked."""
+
+
+class Op(Enum):
+    """What a stage does to one micro-batch of one model chunk."""
+
+    F = "F"  # forward
+    B = "B"  # full backward: input and weight gradients together
+    I = "I"  # noqa: E741  input-gradient half of a split backward (on the critical path)
+    W = "W"  # weight-gradient half of a split backward (deferrable)
+
+    # Members are singletons, so identity hashing is exact, and C-fast on hot paths.
+    __hash__ = object.__hash__
+
+
+_ACTION_TEXT = re.compile(r"^([FBIW])(\d+)(?:@c(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One operation on one micro-batch of one model chunk.
+
+    Prints compactly, ``F3`` for chunk 0 and ``I3@c1`` otherwise, and
+    :meth:`parse` reads that text back.
+    """
+
+    op: Op
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        suffix = f"@c{self.chunk}" if self.chunk else ""
+        return f"{self.op.value}{self.microbatch}{suffix}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read an action printed by ``str(action)``, e.g. ``"F3"`` or ``"W0@c2"``.
+
+        Raises:
+            ValueError: the text is not of that form.
+        """
+        match = _ACTION_TEXT.match(text.strip())
+        if match is None:
+            raise ValueError(f"expected an action like 'F3' or 'I3@c1', got {text!r}")
+        op, microbatch, chunk = match.groups()
+        return cls(Op(op), int(microbatch), int(chunk or 0))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete pipeline timetable: for every stage, its actions in execution order.
+
+    Attributes:
+        stages: number of pipeline stages (devices or ranks).
+        microbatches: number of micro-batches per step.
+        order: ``order[stage]`` is the tuple of actions that stage runs, in order.
+        placement: ``placement[chunk]`` is the stage that holds model chunk ``chunk``;
+            by default chunk ``s`` lives on stage ``s`` (one chunk per stage).
+        name: the generator's name, for titles and error messages.
+    """
+
+    stages: int
+    microbatches: int
+    order: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] = ()
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ValueError(f"a schedule needs stages >= 1, got stages={self.stages}")
+        if self.microbatches < 1:
+            raise ValueError(
+                f"a schedule needs microbatches >= 1, got microbatches={self.microbatches}"
+            )
+        order = tuple(tuple(actions) for actions in self.order)
+        object.__setattr__(self, "order", order)
+        if len(order) != self.stages:
+            raise ValueError(
+                f"order must have one action list per stage: expected {self.stages}, "
+                f"got {len(order)}"
+            )
+        placement = tuple(self.placement) or tuple(range(self.stages))
+        object.__setattr__(self, "placement", placement)
+        bad = [stage for stage in placement if not 0 <= stage < self.stages]
+        if bad:
+            raise ValueError(
+                f"placement maps chunks to stages 0..{self.stages - 1}, got stage {bad[0]}"
+            )
+        missing = sorted(set(range(self.stages)) - set(placement))
+        if missing:
+            raise ValueError(f"placement leaves stage {missing[0]} without a model chunk")
+
+    @cached_property
+    def chunks(self) -> int:
+        """Total number of model chunks (stages x chunks per stage)."""
+        return len(self.placement)
+
+    @cached_property
+    def chunks_of_stage(self) -> tuple[tuple[int, ...], ...]:
+        """``chunks_of_stage[stage]``: the model chunks that stage holds, in chunk order."""
+        return tuple(
+            tuple(chunk for chunk, owner in enumerate(self.placement) if owner == stage)
+            for stage in range(self.stages)
+        )
+
+    @cached_property
+    def split_backward(self) -> frozenset[tuple[int, int]]:
+        """The (microbatch, chunk) pairs whose backward is split into I and W."""
+        return frozenset(
+            (action.microbatch, action.chunk)
+            for actions in self.order
+            for action in actions
+            if action.op is Op.I
+        )
+
+    def backward_op(self, microbatch: int, chunk: int) -> Op:
+        """The op that produces the input gradient of (microbatch, chunk): ``I`` or ``B``."""
+        return Op.I if (microbatch, chunk) in self.split_backward else Op.B
+
+    def __str__(self) -> str:
+        return format_order(self)
+
+
+def format_order(schedule: Schedule, around: tuple[int, int] | None = None, width: int = 6) -> str:
+    """The timetable as text, one line per stage; ``around=(stage, index)`` shows a window.
+
+    Args:
+        schedule: the timetable to print.
+        around: if given, only ``width`` actions either side of that position, marked ``[ ]``.
+        width: how many neighbours to show either side of ``around``.
+    """
+    lines = []
+    for stage, actions in enumerate(schedule.order):
+        texts = [str(action) for action in actions]
+        start = 0
+        if around is not None:
+            start = max(0, around[1] - width)
+            if stage == around[0] and around[1] < len(texts):
+                texts[around[1]] = f"[{texts[around[1]]}]"
+            texts = texts[start : around[1] + width + 1]
+        prefix = "... " if start else ""
+        lines.append(f"stage {stage}: {prefix}{' '.join(texts)}")
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Check a schedule: every action present once, on its stage, and no deadlock."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from schedules.action import Action, Op, Schedule, ScheduleError, format_order
+from schedules.dependencies import dependencies, replay, stage_of
+
+
+_VALIDATED = "_validated"
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ``ScheduleError`` unless ``schedule`` can run to completion.
+
+    Checks, in order: every action refers to an existing micro-batch and chunk and
+    sits on the stage holding that chunk; no action appears twice; every
+    (micro-batch, chunk) has one forward and one backward (``B``, or ``I`` and
+    ``W``); and the dependencies plus each stage's order form an acyclic graph.
+
+    Raises:
+        ScheduleError: naming the stage and action at fault and showing the
+            timetable around it; for a deadlock, the cycle of waiting actions.
+    """
+    if _VALIDATED in schedule.__dict__:
+        return
+    check_actions(schedule)
+    ran = sum(1 for _ in replay(schedule))
+    if ran != sum(len(actions) for actions in schedule.order):
+        raise_deadlock(schedule)
+    # A schedule is immutable: once valid, always valid. Cached like a cached_property.
+    schedule.__dict__[_VALIDATED] = True
+
+
+def check_actions(schedule: Schedule) -> None:
+    """The checks short of deadlock: placement, duplicates and completeness."""
+    if _VALIDATED in schedule.__dict__:
+        return
+    _check_placement(schedule)
+    _check_completeness(schedule, _check_duplicates(schedule))
+
+
+def _fail(schedule: Schedule, message: str, stage: int, index: int) -> ScheduleError:
+    window = format_order(schedule, around=(stage, index))
+    return ScheduleError(f"{schedule.name} schedule: {message}\n{window}")
+
+
+def _check_placement(schedule: Schedule) -> None:
+    for stage, actions in enumerate(schedule.order):
+        for index, action in enumerate(actions):
+            if not 0 <= action.microbatch < schedule.microbatches:
+                raise _fail(
+                    schedule,
+                    f"stage {stage} runs {action}, but micro-batches are "
+                    f"0..{schedule.microbatches - 1}",
+                    stage,
+                    index,
+                )
+            if not 0 <= action.chunk < schedule.chunks:
+                raise _fail(
+                    schedule,
+                    f"stage {stage} runs {action}, but chunks are 0..{schedule.chunks - 1}",
+                    stage,
+                    index,
+                )
+            owner = schedule.placement[action.chunk]
+            if owner != stage:
+                raise _fail(
+                    schedule,
+                    f"{action} is on stage {stage}, but chunk {action.chunk} "
+                    f"lives on stage {owner}",
+                    stage,
+                    index,
+                )
+
+
+def _check_duplicates(schedule: Schedule) -> set[tuple[Op, int, int]]:
+    seen: dict[tuple[Op, int, int], tuple[int, int]] = {}
+    for stage, actions in enumerate(schedule.order):
+        for index, action in enumerate(actions):
+            key = (action.op, action.microbatch, action.chunk)
+            if key in seen:
+                first = seen[key]
+                raise _fail(
+                    schedule,
+                    f"{action} is duplicated: stage {first[0]} position {first[1]} "
+                    f"and stage {stage} position {index}",
+                    stage,
+                    index,
+                )
+            seen[key] = (stage, index)
+    return set(seen)
+
+
+def _check_completeness(schedule: Schedule, present: set[tuple[Op, int, int]]) -> None:
+    for chunk in range(schedule.chunks):
+        for microbatch in range(schedule.microbatches):
+            missing = _missing_op(schedule, present, microbatch, chunk)
+            if missing is not None:
+                stage = schedule.placement[chunk]
+                raise _fail(
+                    schedule,
+                    f"{Action(missing, microbatch, chunk)} is missing from stage {stage}",
+                    stage,
+                    0,
+                )
+
+
+def _missing_op(
+    schedule: Schedule, present: set[tuple[Op, int, int]], microbatch: int, chunk: int
+) -> Op | None:
+    has_i = (Op.I, microbatch, chunk) in present
+    has_w = (Op.W, microbatch, chunk) in present
+    if (Op.B, microbatch, chunk) in present and (has_i or has_w):
+        stage = schedule.placement[chunk]
+        raise _fail(
+            schedule,
+            f"micro-batch {microbatch} of chunk {chunk} has both a full backward B "
+            f"and a split one (I/W)",
+            stage,
+            0,
+        )
+    if (Op.F, microbatch, chunk) not in present:
+        return Op.F
+    if has_i != has_w:
+        return Op.W if has_i else Op.I
+    if not has_i and (Op.B, microbatch, chunk) not in present:
+        return Op.B
+    return None
+
+
+def raise_deadlock(schedule: Schedule) -> None:
+    """Raise the ScheduleError for a complete schedule that cannot finish, naming the cycle."""
+    cycle = _find_cycle(schedule)
+    stage = stage_of(schedule, cycle[0])
+    index = schedule.order[stage].index(cycle[0])
+    path = " -> ".join(f"{action} (stage {stage_of(schedule, action)})" for action in cycle)
+    raise _fail(
+        schedule,
+        f"deadlock: each action waits for the next: {path} -> {cycle[0]}",
+        stage,
+        index,
+    )
+
+
+def dependency_graph(schedule: Schedule) -> nx.DiGraph:
+    """The graph whose edges say "must finish before": data dependencies and stage order."""
+    graph = nx.DiGraph()
+    for actions in schedule.order:
+        graph.add_nodes_from(actions)
+        graph.add_edges_from(zip(actions, actions[1:]))
+        for action in actions:
+            graph.add_edges_from((needed, action) for needed in dependencies(schedule, action))
+    return graph
+
+
+def _find_cycle(schedule: Schedule) -> list[Action]:
+    edges = nx.find_cycle(dependency_graph(schedule))
+    # An edge u -> v means v waits for u; list the cycle as "u waits for ...".
+    return [target for _, target in reversed(edges)]
