@@ -1,0 +1,314 @@
+"""Pipe: the user-facing wrapper that runs an nn.Sequential as a pipeline of stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from schedules import Schedule, Timeline
+
+from pipeline.checkpoint import CheckpointMode, check_mode
+from pipeline.memory import MemoryReport
+from pipeline.microbatch import Tensors, batch_size, merge, split
+from pipeline.partition import (
+    build_schedule,
+    check_model,
+    check_positive,
+    chunks_per_stage,
+    default_devices,
+    resolve_balance,
+)
+
+
+class Pipe:
+    """Run ``model`` as a pipeline: its layers cut into stages, micro-batches in a schedule.
+
+    In one process (``group=None``) each stage is a thread on its own device.
+    With ``group`` (a torch.distributed process group) rank r runs stage r.
+
+    Args:
+        model: an ``nn.Sequential``; its modules are moved to the stages' devices in place,
+            so ``model.state_dict()`` keeps its keys and tensors.
+        chunks: micro-batches per step (torchgpipe's name for them).
+        balance: layers per model chunk (stages x chunks-per-stage entries), or
+            ``"time"`` / ``"params"`` / ``"uniform"``, or None for uniform.
+        devices: one device per stage (one process only); default: CUDA devices
+            round-robin, else the CPU.
+        schedule: a name known to ``schedules.get_schedule`` or a ``Schedule``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recomputation.
+        loss_fn: ``loss_fn(output, target)`` per micro-batch; needed by ``step``. With
+            ``reduction="sum"`` micro-batch losses are added, otherwise weighted by
+            their share of the batch, so the result is the whole batch's loss.
+        sample: an input batch to profile when ``balance="time"`` (else the first batch).
+        group: a process group for one stage per rank (see ``pipeline.distributed``).
+        stages: number of stages, when neither devices, group nor a Schedule says it.
+        schedule_options: extra arguments for the schedule generator
+            (``chunks_per_stage`` for interleaved 1F1B).
+        timeout: seconds a stage waits for a peer before failing.
+        data_group: with ``group``, the data-parallel group whose replicas of this
+            stage average their gradients after each step.
+        init_fn: with a model on the ``meta`` device, called on each local layer after
+            it is materialised (default: ``reset_parameters`` where a layer has it).
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        chunks: int,
+        balance: Sequence[int] | str | None = None,
+        devices: Sequence[torch.device | str | int] | None = None,
+        schedule: str | Schedule = "1f1b",
+        checkpoint: CheckpointMode = "except_last",
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        sample: Any = None,
+        *,
+        group: Any = None,
+        stages: int | None = None,
+        schedule_options: dict[str, Any] | None = None,
+        timeout: float = 60.0,
+        data_group: Any = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        self.model = check_model(model)
+        self.chunks = check_positive("chunks", chunks)
+        self.checkpoint = check_mode(checkpoint)
+        self.loss_fn = loss_fn
+        self.timeout = timeout
+        self._group = group
+        self._data_group = data_group
+        self._init_fn = init_fn
+        options = dict(schedule_options or {})
+        per_stage = chunks_per_stage(schedule, options)
+        stage_count = self._stage_count(schedule, devices, balance, stages, per_stage)
+        self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
+        if group is None:
+            self._devices = self._resolve_devices(devices, stage_count)
+        else:
+            if devices is not None:
+                raise ValueError("with group=..., each rank picks its own device; pass devices=None")
+            from pipeline.distributed import rank_device
+
+            self._devices = [rank_device(group)]
+        self._balance_request = balance
+        self._balance = resolve_balance(
+            balance, self.model, self._schedule.chunks, sample, self._schedule.name, self.chunks
+        )
+        self._runner: Any = None
+        self._timeline: Timeline | None = None
+        if self._balance is not None:
+            self._build_runner()
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _stage_count(
+        self,
+        schedule: str | Schedule,
+        devices: Sequence[Any] | None,
+        balance: Any,
+        stages: int | None,
+        per_stage: int,
+    ) -> int:
+        candidates: dict[str, int] = {}
+        if isinstance(schedule, Schedule):
+            candidates["schedule.stages"] = schedule.stages
+        if self._group is not None:
+            import torch.distributed as dist
+
+            candidates["the group's size"] = dist.get_world_size(self._group)
+        if devices is not None:
+            candidates["len(devices)"] = len(devices)
+        if stages is not None:
+            candidates["stages"] = check_positive("stages", stages)
+        if isinstance(balance, (list, tuple)) and not candidates:
+            if len(balance) % per_stage:
+                raise ValueError(
+                    f"balance has {len(balance)} entries, not a multiple of the "
+                    f"{per_stage} chunks per stage this schedule uses"
+                )
+            candidates["len(balance)"] = len(balance) // per_stage
+        if not candidates:
+            if torch.cuda.is_available():
+                return torch.cuda.device_count()
+            raise ValueError(
+                "cannot tell how many stages to use: pass balance=[...], devices=[...], "
+                "stages=N or a Schedule"
+            )
+        values = set(candidates.values())
+        if len(values) > 1:
+            said = ", ".join(f"{k}={v}" for k, v in candidates.items())
+            raise ValueError(f"the stage count must agree everywhere, got {said}")
+        return values.pop()
+
+    @staticmethod
+    def _resolve_devices(devices: Sequence[Any] | None, stages: int) -> list[torch.device]:
+        if devices is None:
+            return default_devices(stages)
+        return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+                for d in devices]
+
+    def _build_runner(self) -> None:
+        assert self._balance is not None
+        if self._group is None:
+            from pipeline.local import LocalRunner
+
+            self._runner = LocalRunner(
+                self.model, self._balance, self._schedule, self._devices, self.checkpoint,
+                self.loss_fn, self.timeout,
+            )
+        else:
+            from pipeline.distributed import DistRunner
+
+            self._runner = DistRunner(
+                self.model, self._balance, self._schedule, self._devices[0], self.checkpoint,
+                self.loss_fn, self.timeout, self._group, self._data_group, self._init_fn,
+            )
+
+    def _ensure_runner(self, sample: Any) -> None:
+        if self._runner is None:
+            first = sample[0] if isinstance(sample, list) else sample
+            self._balance = resolve_balance(
+                self._balance_request, self.model, self._schedule.chunks, first,
+                self._schedule.name, self.chunks,
+            )
+            self._build_runner()
+
+    # -- what users read ------------------------------------------------------------------
+
+    @property
+    def schedule(self) -> Schedule:
+        """The Schedule this Pipe runs."""
+        return self._schedule
+
+    @property
+    def balance(self) -> list[int] | None:
+        """Layers per model chunk (None until a 'time' balance has seen its first batch)."""
+        return None if self._balance is None else list(self._balance)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """One device per stage (one process), or this rank's device (with a group)."""
+        return list(self._devices)
+
+    @property
+    def stages(self) -> int:
+        return self._schedule.stages
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The measured Timeline of the last step (every rank's events on rank 0)."""
+        return self._timeline
+
+    @property
+    def memory(self) -> tuple[MemoryReport, ...]:
+        """Per local stage, the activation memory it held at most during the last step."""
+        return self._runner.memory if self._runner is not None else ()
+
+    # -- running --------------------------------------------------------------------------
+
+    def _weights(self, parts: list[Any]) -> list[float]:
+        if getattr(self.loss_fn, "reduction", "mean") == "sum":
+            return [1.0] * len(parts)
+        rows = [batch_size(p) for p in parts]
+        total = sum(rows)
+        return [r / total for r in rows]
+
+    def step(self, x: Any, target: Any) -> torch.Tensor:
+        """One training step: every forward and backward in the schedule's order.
+
+        Gradients accumulate into the model's parameters, as ``backward()`` would.
+
+        Args:
+            x: the batch (a tensor, a tuple of tensors, or a list of pre-split
+                micro-batches). With a group, only the rank holding the first chunk reads it.
+            target: the targets, split the same way; read where the last chunk runs.
+
+        Returns:
+            The batch loss, detached (on every rank with a group).
+
+        Raises:
+            ValueError: no loss_fn, or a batch with fewer rows than micro-batches.
+            StageError: a layer failed; the message names the stage, layer and micro-batch.
+        """
+        if self.loss_fn is None:
+            raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
+        inputs = split(x, self.chunks) if x is not None else None
+        targets = split(target, self.chunks) if target is not None else None
+        known = inputs if inputs is not None else targets
+        if known is None and self._group is None:
+            raise ValueError("step() needs x and target")
+        if inputs is not None and targets is not None:
+            rows = [batch_size(p) for p in inputs], [batch_size(p) for p in targets]
+            if rows[0] != rows[1]:
+                raise ValueError(
+                    f"x and target must split into the same micro-batch sizes, got {rows[0]} "
+                    f"and {rows[1]}"
+                )
+        self._ensure_runner(x)
+        weights = self._weights(known) if known is not None else None
+        loss, timeline = self._runner.run_step(inputs, targets, weights)
+        self._timeline = timeline
+        return loss
+
+    def __call__(self, x: Any) -> Any:
+        """Forwards only; returns the merged output on the last device (on the last rank).
+
+        In one process, with grad enabled, the output stays differentiable, so
+        ``loss_fn(pipe(x), y).backward()`` also trains.
+        """
+        inputs = split(x, self.chunks) if x is not None else None
+        self._ensure_runner(x)
+        outputs = self._runner.run_forward(inputs)
+        if outputs is None:
+            return None
+        if isinstance(x, list):
+            return outputs
+        return merge(outputs)
+
+    forward = __call__
+
+    # -- model-like helpers ---------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this process holds (all of them in one process)."""
+        if self._group is None or self._runner is None:
+            return self.model.parameters()
+        return self._runner.parameters()
+
+    def train(self, mode: bool = True) -> Pipe:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Pipe:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.parameters():
+            if set_to_none:
+                parameter.grad = None
+            elif parameter.grad is not None:
+                parameter.grad.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under its own keys (with a group: this rank's layers only)."""
+        if self._group is None or self._runner is None:
+            return self.model.state_dict()
+        return self._runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped)."""
+        if self._group is None or self._runner is None:
+            self.model.load_state_dict(state, strict=strict)
+        else:
+            self._runner.load_state_dict(state, strict=strict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients; returns that total norm.
+
+        Same result as ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
+        """
+        if self._group is None or self._runner is None:
+            return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
+        return self._runner.clip_grad_norm_(max_norm, norm_type)

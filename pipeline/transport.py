@@ -1,0 +1,99 @@
+"""LocalTransport: results crossing stages that run as threads of one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from schedules.dependencies import ActionKey
+
+
+class PipelineAborted(RuntimeError):
+    """Raised in a stage that was waiting when another stage failed."""
+
+
+def move(payload: Any, device: torch.device) -> Any:
+    """A tensor or a tuple of tensors on ``device`` (differentiable, like ``Tensor.to``)."""
+    if isinstance(payload, tuple):
+        return tuple(t.to(device, non_blocking=True) for t in payload)
+    return payload.to(device, non_blocking=True)
+
+
+class LocalTransport:
+    """One mailbox per stage; ``endpoint(stage)`` gives that stage its send/receive pair.
+
+    The receiving stage copies tensors onto its own device (on CUDA, on its own
+    stream, after waiting for the event the sender recorded on its stream, so the
+    copy overlaps the sender's next compute). When any stage fails, ``abort``
+    wakes every waiting stage with a PipelineAborted naming the failed stage.
+    """
+
+    def __init__(self, devices: list[torch.device], timeout: float = 600.0) -> None:
+        self.devices = devices
+        self.timeout = timeout
+        self._boxes: list[dict[ActionKey, tuple[Any, Any]]] = [{} for _ in devices]
+        self._ready = threading.Condition()
+        self._failed: str | None = None
+
+    def abort(self, reason: str) -> None:
+        with self._ready:
+            if self._failed is None:
+                self._failed = reason
+            self._ready.notify_all()
+
+    def endpoint(self, stage: int) -> LocalEndpoint:
+        return LocalEndpoint(self, stage)
+
+    def put(self, destination: int, key: ActionKey, payload: Any, event: Any) -> None:
+        with self._ready:
+            self._boxes[destination][key] = (payload, event)
+            self._ready.notify_all()
+
+    def take(self, stage: int, key: ActionKey, source: int) -> tuple[Any, Any]:
+        deadline = time.monotonic() + self.timeout
+        with self._ready:
+            while key not in self._boxes[stage]:
+                if self._failed is not None:
+                    raise PipelineAborted(f"stage {stage} stopped: {self._failed}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"stage {stage} waited {self.timeout:.0f}s for {key[0].value}{key[1]}"
+                        f"@c{key[2]} from stage {source}"
+                    )
+                self._ready.wait(remaining)
+            return self._boxes[stage].pop(key)
+
+
+class LocalEndpoint:
+    """One stage's view of a LocalTransport."""
+
+    def __init__(self, transport: LocalTransport, stage: int) -> None:
+        self.transport = transport
+        self.stage = stage
+        self.device = transport.devices[stage]
+
+    def send(self, key: ActionKey, destination: int, payload: Any) -> None:
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.transport.put(destination, key, payload, event)
+
+    def receive(self, key: ActionKey, source: int) -> Any:
+        payload, event = self.transport.take(self.stage, key, source)
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if event is not None:
+                stream.wait_event(event)
+            with torch.cuda.device(self.device):
+                moved = move(payload, self.device)
+            for tensor in payload if isinstance(payload, tuple) else (payload,):
+                if tensor.device == self.device:
+                    # Produced on the sender's stream, used on ours: keep the allocator off it.
+                    tensor.record_stream(stream)
+            return moved
+        return move(payload, self.device)
