@@ -3,12 +3,15 @@
 from schedules.action import Action, Op, Schedule, ScheduleError
 from schedules.dependencies import Transfer, dependencies, replay, stage_of, transfers
 from schedules.gpipe import gpipe
+from schedules.interleaved import interleaved_1f1b
 from schedules.onefoneb import one_f_one_b
 from schedules.plot import plot_timeline
 from schedules.registry import get_schedule, schedule_names
 from schedules.simulate import simulate
 from schedules.timeline import Event, Timeline
 from schedules.validate import validate
+from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
+from schedules.zero_bubble_v import zero_bubble_v
 
 __all__ = [
     "Action",
@@ -21,6 +24,7 @@ __all__ = [
     "dependencies",
     "get_schedule",
     "gpipe",
+    "interleaved_1f1b",
     "one_f_one_b",
     "plot_timeline",
     "replay",
@@ -29,4 +33,7 @@ __all__ = [
     "stage_of",
     "transfers",
     "validate",
+    "zero_bubble_h1",
+    "zero_bubble_h2",
+    "zero_bubble_v",
 ]

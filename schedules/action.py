@@ -135,7 +135,9 @@ class Schedule:
         return format_order(self)
 
 
-def format_order(schedule: Schedule, around: tuple[int, int] | None = None, width: int = 6) -> str:
+def format_order(
+    schedule: Schedule, around: tuple[int, int] | None = None, width: int = 6, mark: bool = True
+) -> str:
     """The timetable as text, one line per stage; ``around=(stage, index)`` shows a window.
 
     Args:
@@ -149,7 +151,7 @@ def format_order(schedule: Schedule, around: tuple[int, int] | None = None, widt
         start = 0
         if around is not None:
             start = max(0, around[1] - width)
-            if stage == around[0] and around[1] < len(texts):
+            if mark and stage == around[0] and around[1] < len(texts):
                 texts[around[1]] = f"[{texts[around[1]]}]"
             texts = texts[start : around[1] + width + 1]
         prefix = "... " if start else ""

@@ -7,11 +7,18 @@ from typing import Any
 
 from schedules.action import Schedule
 from schedules.gpipe import gpipe
+from schedules.interleaved import interleaved_1f1b
 from schedules.onefoneb import one_f_one_b
+from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
+from schedules.zero_bubble_v import zero_bubble_v
 
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_1f1b,
+    "zb-h1": zero_bubble_h1,
+    "zb-h2": zero_bubble_h2,
+    "zb-v": zero_bubble_v,
 }
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 from schedules.action import Op, Schedule
-from schedules.dependencies import replay
 from schedules.timeline import Event, Timeline
-from schedules.validate import check_actions, raise_deadlock
+from schedules._speed import gc_paused
+from schedules.validate import feasible_order
 
 Cost = float | Sequence[float]
 
@@ -48,27 +49,26 @@ def simulate(
     forwards = _per_stage("forward", forward, stages)
     backwards = _per_stage("backward", backward, stages)
     weights = None if weight is None else _per_stage("weight", weight, stages)
-    if comm < 0:
+    if not comm >= 0:  # also rejects NaN
         raise ValueError(f"comm must be >= 0, got {comm}")
-    check_actions(schedule)
+    order = feasible_order(schedule)  # validates the schedule, once
 
     durations = _durations(schedule, forwards, backwards, weights)
     placement = schedule.placement
     ends: dict[tuple[Op, int, int], float] = {}
     stage_free = [0.0] * stages
     events = []
-    for stage, action, needed in replay(schedule):
-        start = stage_free[stage]
-        for dependency in needed:
-            arrival = ends[dependency] + (comm if placement[dependency[2]] != stage else 0.0)
-            if arrival > start:
-                start = arrival
-        end = start + durations[stage][action.op]
-        ends[(action.op, action.microbatch, action.chunk)] = end
-        stage_free[stage] = end
-        events.append(Event(stage, action, start, end))
-    if len(events) != sum(len(actions) for actions in schedule.order):
-        raise_deadlock(schedule)
+    with gc_paused():
+        for stage, action, needed in order:
+            start = stage_free[stage]
+            for dependency in needed:
+                arrival = ends[dependency] + (comm if placement[dependency[2]] != stage else 0.0)
+                if arrival > start:
+                    start = arrival
+            end = start + durations[stage][action.op]
+            ends[(action.op, action.microbatch, action.chunk)] = end
+            stage_free[stage] = end
+            events.append(Event(stage, action, start, end))
 
     busy = [sum(durations[s][a.op] for a in schedule.order[s]) for s in range(stages)]
     return Timeline(
@@ -81,7 +81,7 @@ def simulate(
 
 
 def _per_stage(name: str, cost: Cost, stages: int) -> tuple[float, ...]:
-    if isinstance(cost, (int, float)):
+    if isinstance(cost, numbers.Real):  # numpy scalars too
         values = (float(cost),) * stages
     else:
         values = tuple(float(c) for c in cost)
@@ -90,7 +90,7 @@ def _per_stage(name: str, cost: Cost, stages: int) -> tuple[float, ...]:
                 f"{name} cost: expected one number or {stages} per-stage numbers, "
                 f"got {len(values)}"
             )
-    negative = [v for v in values if v < 0]
+    negative = [v for v in values if not v >= 0]  # also rejects NaN
     if negative:
         raise ValueError(f"{name} cost must be >= 0, got {negative[0]}")
     return values

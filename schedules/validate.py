@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import networkx as nx
 
+from schedules._speed import gc_paused
 from schedules.action import Action, Op, Schedule, ScheduleError, format_order
-from schedules.dependencies import dependencies, replay, stage_of
+from schedules.dependencies import ActionKey, dependencies, replay, stage_of
 
 
 _VALIDATED = "_validated"
@@ -25,12 +26,20 @@ def validate(schedule: Schedule) -> None:
     """
     if _VALIDATED in schedule.__dict__:
         return
-    check_actions(schedule)
-    ran = sum(1 for _ in replay(schedule))
-    if ran != sum(len(actions) for actions in schedule.order):
+    with gc_paused():
+        check_actions(schedule)
+        feasible = list(replay(schedule))
+    if len(feasible) != sum(len(actions) for actions in schedule.order):
         raise_deadlock(schedule)
-    # A schedule is immutable: once valid, always valid. Cached like a cached_property.
-    schedule.__dict__[_VALIDATED] = True
+    # A schedule is immutable: once valid, always valid. Cached like a cached_property,
+    # with the feasible order found, which simulate replays with costs.
+    schedule.__dict__[_VALIDATED] = feasible
+
+
+def feasible_order(schedule: Schedule) -> list[tuple[int, Action, tuple[ActionKey, ...]]]:
+    """``replay(schedule)`` as a list, validating the schedule (once) on the way."""
+    validate(schedule)
+    return schedule.__dict__[_VALIDATED]  # type: ignore[no-any-return]
 
 
 def check_actions(schedule: Schedule) -> None:
@@ -41,8 +50,10 @@ def check_actions(schedule: Schedule) -> None:
     _check_completeness(schedule, _check_duplicates(schedule))
 
 
-def _fail(schedule: Schedule, message: str, stage: int, index: int) -> ScheduleError:
-    window = format_order(schedule, around=(stage, index))
+def _fail(
+    schedule: Schedule, message: str, stage: int, index: int, mark: bool = True
+) -> ScheduleError:
+    window = format_order(schedule, around=(stage, index), mark=mark)
     return ScheduleError(f"{schedule.name} schedule: {message}\n{window}")
 
 
@@ -99,11 +110,16 @@ def _check_completeness(schedule: Schedule, present: set[tuple[Op, int, int]]) -
             missing = _missing_op(schedule, present, microbatch, chunk)
             if missing is not None:
                 stage = schedule.placement[chunk]
+                # Show where it belongs: after the same op of the previous micro-batch.
+                actions = schedule.order[stage]
+                previous = Action(missing, microbatch - 1, chunk)
+                index = actions.index(previous) + 1 if previous in actions else 0
                 raise _fail(
                     schedule,
                     f"{Action(missing, microbatch, chunk)} is missing from stage {stage}",
                     stage,
-                    0,
+                    index,
+                    mark=False,
                 )
 
 

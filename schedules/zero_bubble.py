@@ -1,0 +1,118 @@
+"""Zero-bubble schedules ZB-H1 and ZB-H2: 1F1B with the backward split into I and W.
+
+Qi et al. ("Zero Bubble Pipeline Parallelism", ICLR 2024) split a backward into
+``I``, the gradient with respect to the stage input, which the stage before waits
+for, and ``W``, the gradient with respect to the weights, which nobody waits for.
+Running I as soon as possible shortens the critical path; W then fills the gaps.
+
+Both schedules here are 1F1B with ``I`` in place of ``B`` and with stage s running
+each ``W`` a fixed number of micro-batches after its ``I``. The lag grows with s
+because the gaps are at the end: once the last forward is done, the input
+gradients race back through the stages one ``I`` at a time, and stage s fills
+the wait with the weight gradients it held back. With F = I = W that gives a
+bubble of (P-1) F per stage, the ramp-up no schedule avoids.
+
+Memory is counted as ``Timeline.peak_activations`` does: a micro-batch's
+activations stay until its ``W`` ends. Reaching the bound then needs every stage
+to hold P micro-batches, the most 1F1B holds (on its stage 0), not 1F1B's
+``P - s`` on stage s. To finish at the bound, the last stage works without a
+break from time P-1 to the end, and each I it runs must still cross P-1 stages
+and be followed by a W on stage 0: so its last P time units hold only Ws, and P
+of its micro-batches are still held when its last I ends.
+"""
+
+from __future__ import annotations
+
+from schedules._checks import check_counts
+from schedules.action import Action, Op, Schedule
+
+
+def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with I for B, stage s running W(m) after I(m + s).
+
+    Every stage holds at most ``min(P, M)`` micro-batches, the peak of 1F1B
+    (reached there on stage 0 only). With F = I = W the bubble is (P-1) F per
+    stage, a third of 1F1B's, and the ramp-up bound: a fraction
+    (P-1)/(3M+P-1) when M >= P.
+
+    >>> print(zero_bubble_h1(stages=3, microbatches=4))
+    stage 0: F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3
+    stage 1: F0@c1 F1@c1 I0@c1 F2@c1 I1@c1 W0@c1 F3@c1 I2@c1 W1@c1 I3@c1 W2@c1 W3@c1
+    stage 2: F0@c2 I0@c2 F1@c2 I1@c2 F2@c2 I2@c2 W0@c2 F3@c2 I3@c2 W1@c2 W2@c2 W3@c2
+
+    Args:
+        stages: number of pipeline stages P, >= 1.
+        microbatches: number of micro-batches M, >= 1 (any M).
+
+    Returns:
+        The schedule, one chunk per stage, named ``"zb-h1"``.
+
+    Raises:
+        ValueError: a count below one.
+    """
+    check_counts(stages, microbatches)
+    order = tuple(
+        _stage_order(stage, microbatches, warmup=stages - 1 - stage, lag=stage)
+        for stage in range(stages)
+    )
+    return Schedule(stages, microbatches, order, name="zb-h1")
+
+
+def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
+    """ZB-H2: ZB-H1 with up to P-1 more micro-batches in flight, to fill the cool-down.
+
+    With ``e = min(P-1, M-P)`` extra micro-batches (none when M <= P, where this is
+    ZB-H1), stage s runs ``min(P-1-s, e)`` more warm-up forwards than ZB-H1 and
+    lags its W by ``s + min(s, e)`` instead of s; each stage holds at most
+    ``min(P + e, M)`` micro-batches, under twice 1F1B's peak. With F = I it is
+    never slower than ZB-H1 for W <= F, and faster when 0 < W < F and M > P; with
+    F = I = W it reaches the ramp-up bound, (P-1) F per stage, like ZB-H1, and with
+    M >= 2P-1 it does so for any F/2 <= W <= F too (below F/2 the last stage would
+    have to hold back more than 2P-1 weight gradients to fill the cool-down).
+
+    >>> print(zero_bubble_h2(stages=3, microbatches=5))  # doctest: +NORMALIZE_WHITESPACE
+    stage 0: F0 F1 F2 F3 F4 I0 W0 I1 W1 I2 W2 I3 W3 I4 W4
+    stage 1: F0@c1 F1@c1 F2@c1 I0@c1 F3@c1 I1@c1 F4@c1 I2@c1 W0@c1 I3@c1 W1@c1
+             I4@c1 W2@c1 W3@c1 W4@c1
+    stage 2: F0@c2 I0@c2 F1@c2 I1@c2 F2@c2 I2@c2 F3@c2 I3@c2 F4@c2 I4@c2 W0@c2
+             W1@c2 W2@c2 W3@c2 W4@c2
+
+    Args:
+        stages: number of pipeline stages P, >= 1.
+        microbatches: number of micro-batches M, >= 1 (any M).
+
+    Returns:
+        The schedule, one chunk per stage, named ``"zb-h2"``.
+
+    Raises:
+        ValueError: a count below one.
+    """
+    check_counts(stages, microbatches)
+    extra = max(0, min(stages - 1, microbatches - stages))
+    order = tuple(
+        _stage_order(
+            stage,
+            microbatches,
+            warmup=stages - 1 - stage + min(stages - 1 - stage, extra),
+            lag=stage + min(stage, extra),
+        )
+        for stage in range(stages)
+    )
+    return Schedule(stages, microbatches, order, name="zb-h2")
+
+
+def _stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> tuple[Action, ...]:
+    """``warmup`` forwards, then F and I in turn with W(m) right after I(m + lag), then the Ws."""
+    warmup = min(warmup, microbatches)
+    order = [Action(Op.F, m, stage) for m in range(warmup)]
+    forwards, weights = warmup, 0
+    for m in range(microbatches):
+        if forwards < microbatches:
+            order.append(Action(Op.F, forwards, stage))
+            forwards += 1
+        order.append(Action(Op.I, m, stage))
+        if m - lag >= 0:
+            order.append(Action(Op.W, m - lag, stage))
+            weights = m - lag + 1
+    order.extend(Action(Op.W, m, stage) for m in range(weights, microbatches))
+    return tuple(order)
