@@ -72,6 +72,19 @@ class Pipe:
         data_group: Any = None,
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> None:
+        if group is not None:
+            # First, before anything that could raise on some ranks and not others.
+            from pipeline.distributed import check_agreement, schedule_digest
+
+            check_agreement(
+                group,
+                chunks=chunks,
+                schedule=schedule_digest(schedule) if isinstance(schedule, Schedule) else schedule,
+                balance=balance,
+                checkpoint=checkpoint,
+                stages=stages,
+                schedule_options=schedule_options,
+            )
         self.model = check_model(model)
         self.chunks = check_positive("chunks", chunks)
         self.checkpoint = check_mode(checkpoint)
@@ -93,9 +106,7 @@ class Pipe:
 
             self._devices = [rank_device(group)]
         self._balance_request = balance
-        self._balance = resolve_balance(
-            balance, self.model, self._schedule.chunks, sample, self._schedule.name, self.chunks
-        )
+        self._balance = self._resolve_balance(sample)
         self._runner: Any = None
         self._timeline: Timeline | None = None
         if self._balance is not None:
@@ -166,13 +177,31 @@ class Pipe:
                 self.loss_fn, self.timeout, self._group, self._data_group, self._init_fn,
             )
 
+    def _resolve_balance(self, sample: Any) -> list[int] | None:
+        def resolve() -> list[int] | None:
+            return resolve_balance(
+                self._balance_request, self.model, self._schedule.chunks, sample,
+                self._schedule.name, self.chunks,
+            )
+
+        if self._group is None or not isinstance(self._balance_request, str):
+            return resolve()
+        # Measured balances differ from rank to rank: the first rank's is everyone's.
+        import torch.distributed as dist
+
+        decided: list[Any] = [None]
+        if dist.get_rank(self._group) == 0:
+            decided[0] = resolve()
+        dist.broadcast_object_list(decided, src=dist.get_global_rank(self._group, 0),
+                                   group=self._group)
+        return decided[0]
+
     def _ensure_runner(self, sample: Any) -> None:
         if self._runner is None:
             first = sample[0] if isinstance(sample, list) else sample
-            self._balance = resolve_balance(
-                self._balance_request, self.model, self._schedule.chunks, first,
-                self._schedule.name, self.chunks,
-            )
+            self._balance = self._resolve_balance(first)
+            if self._balance is None:
+                raise ValueError("balance='time' needs a sample: pass sample=... or a batch")
             self._build_runner()
 
     # -- what users read ------------------------------------------------------------------

@@ -1,0 +1,249 @@
+"""DistTransport: results crossing ranks with torch.distributed point-to-point messages.
+
+Every message is a small int64 header (status, origin rank, and the dtype and
+shape of each tensor) followed by the tensors. Shapes may change from one
+micro-batch to the next (variable sequence lengths); receive buffers are pooled
+by dtype and shape and reused once nothing refers to them any more, so a steady
+state allocates nothing. Sends never block (``isend``, waited at the end of the
+step), and under gloo every header of the step is posted at its start, tagged by
+the producing action, so no pair of neighbours can deadlock whatever the order.
+A rank that fails sends a header with status "failed" in place of each message
+it still owed, so its peers raise at once, naming it, instead of waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from schedules import Op
+from schedules.dependencies import ActionKey
+
+HEADER_SLOTS = 4 + 8 * 10  # status, origin, is_tuple, count; then per tensor dtype, ndim, 8 dims
+MAX_TENSORS = 8
+MAX_DIMS = 8
+_OK, _FAILED = 0, 1
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+_OP_CODES = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
+
+
+class PeerError(RuntimeError):
+    """A peer rank failed, died or did not answer in time."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def _tag(key: ActionKey, chunks: int, part: int) -> int:
+    op, microbatch, chunk = key
+    return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * (MAX_TENSORS + 1) + part
+
+
+def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
+    """The header describing ``tensors``: their count, dtypes and shapes."""
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(tensors)}")
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    header[0], header[2], header[3] = _OK, int(is_tuple), len(tensors)
+    for index, tensor in enumerate(tensors):
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise ValueError(
+                f"tensors crossing stages need at most {MAX_DIMS} dims and a dtype in "
+                f"{_DTYPES}, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+            )
+        base = 4 + index * 10
+        header[base] = _DTYPES.index(tensor.dtype)
+        header[base + 1] = tensor.dim()
+        header[base + 2 : base + 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, tuple[int, ...]]]]:
+    """``(is_tuple, [(dtype, shape), ...])`` from a header with status OK."""
+    values = header.tolist()
+    metas = []
+    for index in range(values[3]):
+        base = 4 + index * 10
+        ndim = values[base + 1]
+        metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
+    return bool(values[2]), metas
+
+
+class BufferPool:
+    """Receive buffers by (dtype, shape, device), reused once no tensor shares their storage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self.allocations = 0
+
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        pool = self._buffers.setdefault((dtype, shape), [])
+        for buffer in pool:
+            if _unshared(buffer):
+                return buffer
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self.allocations += 1
+        pool.append(buffer)
+        return buffer
+
+
+def _unshared(buffer: torch.Tensor) -> bool:
+    # The pool's own tensor and the temporary storage object make two uses; any
+    # view handed out (and still alive) makes more.
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return bool(use_count(buffer.untyped_storage()._cdata) <= 2)
+
+
+class DistTransport:
+    """Point-to-point transport for one stage of a pipeline process group."""
+
+    def __init__(
+        self,
+        group: Any,
+        stage_ranks: Sequence[int],
+        stage: int,
+        device: torch.device,
+        chunks: int,
+        timeout: float,
+    ) -> None:
+        self.group = group
+        self.stage_ranks = list(stage_ranks)  # global rank of each stage
+        self.stage = stage
+        self.device = device
+        self.chunks = chunks
+        self.timeout = timeout
+        self.preposts = dist.get_backend(group) == "gloo"
+        self.pool = BufferPool(device)
+        self._headers: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
+        self._sends: list[tuple[Any, Any]] = []
+        self._owed: dict[ActionKey, list[int]] = {}
+
+    def begin_step(
+        self, receives: Sequence[tuple[ActionKey, int]], sends: dict[ActionKey, tuple[int, ...]]
+    ) -> None:
+        """Post this step's header receives (under gloo) and note the messages owed."""
+        self._owed = {key: list(destinations) for key, destinations in sends.items()}
+        self._headers = {}
+        if self.preposts:
+            for key, source in receives:
+                self._headers[key] = self._post_header(key, source)
+
+    def _post_header(self, key: ActionKey, source: int) -> tuple[torch.Tensor, Any]:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
+        work = dist.irecv(header, self.stage_ranks[source], self.group, tag=_tag(key, self.chunks, 0))
+        return header, work
+
+    def _wire_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def send(self, key: ActionKey, destination: int, payload: Any) -> None:
+        is_tuple = isinstance(payload, tuple)
+        tensors = [t.contiguous() for t in (payload if is_tuple else (payload,))]
+        header = encode_header(tensors, is_tuple).to(self._wire_device())
+        peer = self.stage_ranks[destination]
+        operations = [dist.P2POp(dist.isend, header, peer, self.group, _tag(key, self.chunks, 0))]
+        operations += [
+            dist.P2POp(dist.isend, tensor, peer, self.group, _tag(key, self.chunks, part + 1))
+            for part, tensor in enumerate(tensors)
+        ]
+        for work in dist.batch_isend_irecv(operations):
+            self._sends.append((work, (header, tensors)))
+        owed = self._owed.get(key)
+        if owed is not None and destination in owed:
+            owed.remove(destination)
+
+    def receive(self, key: ActionKey, source: int) -> Any:
+        header, work = self._headers.pop(key, None) or self._post_header(key, source)
+        self._wait(work, key, source)
+        if int(header[0]) == _FAILED:
+            origin = int(header[1])
+            raise PeerError(f"rank {origin} failed{_reason(origin)}; stage {self.stage} stops", origin)
+        is_tuple, metas = decode_header(header.cpu())
+        buffers = [self.pool.take(dtype, shape) for dtype, shape in metas]
+        peer = self.stage_ranks[source]
+        operations = [
+            dist.P2POp(dist.irecv, buffer, peer, self.group, _tag(key, self.chunks, part + 1))
+            for part, buffer in enumerate(buffers)
+        ]
+        for work in dist.batch_isend_irecv(operations) if operations else []:
+            self._wait(work, key, source)
+        views = tuple(buffer.detach() for buffer in buffers)
+        return views if is_tuple else views[0]
+
+    def _wait(self, work: Any, key: ActionKey, source: int) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            rank = self.stage_ranks[source]
+            what = f"{key[0].value}{key[1]}@c{key[2]}"
+            raise PeerError(
+                f"stage {self.stage} got no {what} from rank {rank} within {self.timeout:g}s "
+                f"(rank {rank} died, hung or is too slow: raise Pipe(timeout=...)): {error}",
+                rank,
+            ) from error
+
+    def finish(self) -> None:
+        """Wait until every message this step sent has been received."""
+        sends, self._sends = self._sends, []
+        deadline = time.monotonic() + self.timeout
+        for work, _ in sends:
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+    def fail(self, origin: int, reason: str) -> None:
+        """Tell every peer still owed a message that ``origin`` failed; best effort."""
+        _announce(self.group, origin, reason)
+        header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
+        header[0], header[1] = _FAILED, origin
+        works = []
+        for key, destinations in self._owed.items():
+            for destination in destinations:
+                peer = self.stage_ranks[destination]
+                works.append(dist.isend(header, peer, self.group, tag=_tag(key, self.chunks, 0)))
+        self._owed = {}
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        for work in works:
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError:
+                pass
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private API: without it, errors still name the rank
+        return None
+
+
+def _announce(group: Any, origin: int, reason: str) -> None:
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"pipesched/failed/{origin}", reason[:2000])
+        except Exception:
+            pass
+
+
+def _reason(origin: int) -> str:
+    store = _store()
+    if store is None:
+        return ""
+    try:
+        key = f"pipesched/failed/{origin}"
+        if store.check([key]):
+            return f": {store.get(key).decode()}"
+    except Exception:
+        pass
+    return ""

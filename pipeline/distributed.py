@@ -1,0 +1,290 @@
+"""One stage per rank: run a schedule over a torch.distributed process group."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from schedules import Event, Schedule, Timeline
+
+from pipeline.checkpoint import CheckpointMode, step_seed
+from pipeline.dist_transport import DistTransport, PeerError
+from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
+from pipeline.memory import ActivationTracker, MemoryReport
+from pipeline.partition import build_chunks
+from pipeline.stage import ChunkSpec, ModelChunk
+
+
+def rank_device(group: Any) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def check_agreement(group: Any, **settings: Any) -> None:
+    """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings.
+
+    One small all-gather; the message names each rank that differs from the majority.
+    """
+    mine = {name: repr(value) for name, value in settings.items()}
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    problems = []
+    for name in settings:
+        values = [g[name] for g in gathered]
+        common, _ = Counter(values).most_common(1)[0]
+        for rank, value in enumerate(values):
+            if value != common:
+                problems.append(f"rank {rank} has {name}={value} but the others have {common}")
+    if problems:
+        raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
+
+
+def schedule_digest(schedule: Schedule) -> str:
+    """A short fingerprint of a schedule's full timetable."""
+    text = f"{schedule.stages}/{schedule.microbatches}/{schedule.placement}/{schedule}"
+    return f"{schedule.name}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
+    """Build this rank's pipeline group and data-parallel group from the world.
+
+    Ranks are laid out ``rank = replica * pipeline_size + stage``: each pipeline
+    holds consecutive ranks, and the replicas of one stage form a data-parallel
+    group. Every rank must call this (it creates every group, in the same order).
+
+    Returns:
+        ``(pipeline_group, data_group)`` for the calling rank.
+
+    Raises:
+        ValueError: the world size is not ``pipeline_size * data_parallel_size``.
+    """
+    world = dist.get_world_size()
+    if pipeline_size < 1 or data_parallel_size < 1 or pipeline_size * data_parallel_size != world:
+        raise ValueError(
+            f"pipeline_size x data_parallel_size must equal the world size {world}, got "
+            f"{pipeline_size} x {data_parallel_size}"
+        )
+    rank = dist.get_rank()
+    pipeline_group = data_group = None
+    for replica in range(data_parallel_size):
+        ranks = [replica * pipeline_size + stage for stage in range(pipeline_size)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            pipeline_group = group
+    for stage in range(pipeline_size):
+        ranks = [replica * pipeline_size + stage for replica in range(data_parallel_size)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_group = group
+    return pipeline_group, data_group
+
+
+def _materialise(layers: nn.Sequential, device: torch.device,
+                 init_fn: Callable[[nn.Module], None] | None) -> None:
+    on_meta = any(t.is_meta for t in list(layers.parameters()) + list(layers.buffers()))
+    if not on_meta:
+        layers.to(device)
+        return
+    layers.to_empty(device=device)
+    for layer in layers:
+        if init_fn is not None:
+            init_fn(layer)
+            continue
+        for module in layer.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+class DistRunner:
+    """This rank's stage: its chunks, its transport, and the step's collectives."""
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: Sequence[int],
+        schedule: Schedule,
+        device: torch.device,
+        checkpoint: CheckpointMode,
+        loss_fn: Callable[..., torch.Tensor] | None,
+        timeout: float,
+        group: Any,
+        data_group: Any,
+        init_fn: Callable[[nn.Module], None] | None,
+    ) -> None:
+        self.group = group
+        self.data_group = data_group
+        self.schedule = schedule
+        self.device = device
+        self.stage = dist.get_rank(group)
+        self.stage_ranks = [dist.get_global_rank(group, r) for r in range(schedule.stages)]
+        self.balance = list(balance)
+        self.model = model
+        firsts = [sum(balance[:c]) for c in range(len(balance))]
+        self.local_layers = [
+            i for c in schedule.chunks_of_stage[self.stage]
+            for i in range(firsts[c], firsts[c] + balance[c])
+        ]
+        for index, layer in enumerate(model):
+            if index not in self.local_layers:
+                layer.to("meta")  # frees what this rank does not run
+        own = set(self.local_layers)
+        for c in schedule.chunks_of_stage[self.stage]:
+            _materialise(nn.Sequential(*[model[i] for i in range(firsts[c], firsts[c] + balance[c])]),
+                         device, init_fn)
+        assert own
+        self.tracker = ActivationTracker(self.parameters(), 1.0 / len(schedule.chunks_of_stage[self.stage]))
+
+        def make_chunk(index: int, stage: int, first: int, layers: nn.Sequential,
+                       chunk_device: torch.device) -> ModelChunk:
+            spec = ChunkSpec(index, stage, first, index == 0, index == schedule.chunks - 1)
+            return ModelChunk(spec, layers, chunk_device, checkpoint, loss_fn, self.tracker, None)
+
+        devices = [device] * schedule.stages
+        self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
+        self.plan = StagePlan.of(schedule, self.stage)
+        self.receive_order = self.plan.receive_order(schedule)
+        self.transport = DistTransport(
+            group, self.stage_ranks, self.stage, device, schedule.chunks, timeout
+        )
+        self.memory: tuple[MemoryReport, ...] = ()
+        self.last_rank = self.stage_ranks[schedule.placement[-1]]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for index in self.local_layers:
+            yield from self.model[index].parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            f"{index}.{name}": tensor
+            for index in self.local_layers
+            for name, tensor in self.model[index].state_dict().items()
+        }
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        for index in self.local_layers:
+            prefix = f"{index}."
+            local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            self.model[index].load_state_dict(local, strict=strict)
+
+    def _fail(self, error: BaseException) -> None:
+        origin = error.rank if isinstance(error, PeerError) else dist.get_rank()
+        self.transport.fail(origin, f"{type(error).__name__}: {error}")
+
+    def run_step(
+        self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
+    ) -> tuple[torch.Tensor, Timeline | None]:
+        schedule = self.schedule
+        seed = step_seed()
+        for chunk in self.chunks.values():
+            chunk.begin_step(seed, schedule.microbatches, bool(schedule.split_backward))
+        self.tracker.reset_peaks()
+        step_inputs = StepInputs(
+            inputs=None if inputs is None else [_to(x, self.device) for x in inputs],
+            targets=None if targets is None else [_to(t, self.device) for t in targets],
+            weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
+        )
+        dist.barrier(group=self.group)
+        origin = time.perf_counter()
+        self.transport.begin_step(self.receive_order, self.plan.destinations)
+        try:
+            result = run_stage(schedule, self.plan, self.chunks, self.transport, step_inputs)
+            self.transport.finish()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        finally:
+            for chunk in self.chunks.values():
+                chunk.begin_step(0, schedule.microbatches, False)
+        self.memory = (self.tracker.report(),)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        if result.losses:
+            loss = sum(result.losses[m] for m in range(schedule.microbatches)).to(torch.float64)
+        dist.broadcast(loss, self.last_rank, group=self.group)
+        self._average_gradients(loss)
+        events = [(e.stage, str(e.action), e.start - origin, e.end - origin) for e in result.events]
+        return loss, self._gather_timeline(events)
+
+    def _average_gradients(self, loss: torch.Tensor) -> None:
+        if self.data_group is None:
+            return
+        replicas = dist.get_world_size(self.data_group)
+        for parameter in self.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad, group=self.data_group)
+                parameter.grad.div_(replicas)
+        dist.all_reduce(loss, group=self.data_group)
+        loss.div_(replicas)
+
+    def _gather_timeline(self, events: list[tuple[int, str, float, float]]) -> Timeline | None:
+        from schedules import Action
+
+        gathered: list[Any] = [None] * self.schedule.stages if self.stage == 0 else None  # type: ignore[assignment]
+        dist.gather_object(events, gathered, dst=self.stage_ranks[0], group=self.group)
+        if self.stage != 0:
+            return None
+        return Timeline(
+            stages=self.schedule.stages,
+            events=tuple(
+                Event(stage, Action.parse(text), start, end)
+                for part in gathered for stage, text, start, end in part
+            ),
+            chunks_per_stage=tuple(len(c) for c in self.schedule.chunks_of_stage),
+            name=f"{self.schedule.name} (measured, {self.schedule.stages} ranks)",
+        )
+
+    def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
+        schedule = self.schedule
+        seed = step_seed()
+        for chunk in self.chunks.values():
+            chunk.begin_step(seed, schedule.microbatches, False)
+        inputs = None if inputs is None else [_to(x, self.device) for x in inputs]
+        receives = [
+            (key, source) for key, source in self.receive_order if key[0].value == "F"
+        ]
+        self.transport.begin_step(receives, {})
+        try:
+            with torch.no_grad():
+                outputs = run_forward_stage(schedule, self.plan, self.chunks, self.transport, inputs)
+            self.transport.finish()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        if self.stage != schedule.placement[-1]:
+            return None
+        return [outputs[m] for m in range(schedule.microbatches)]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if norm_type == float("inf"):
+            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=self.device))
+            total = local.to(torch.float64).clone()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in grads),
+                        torch.zeros((), dtype=torch.float64, device=self.device))
+            total = local.clone()
+            dist.all_reduce(total, group=self.group)
+            total = total ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        return total
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value
