@@ -7,8 +7,9 @@ by dtype and shape and reused once nothing refers to them any more, so a steady
 state allocates nothing. Sends never block (``isend``, waited at the end of the
 step), and under gloo every header of the step is posted at its start, tagged by
 the producing action, so no pair of neighbours can deadlock whatever the order.
-A rank that fails sends a header with status "failed" in place of each message
-it still owed, so its peers raise at once, naming it, instead of waiting.
+A rank that fails sends a header with status "failed" (and the error's text) in
+place of each message it still owed, so its peers raise at once, naming it,
+instead of waiting; they pass the news on the same way.
 """
 
 from __future__ import annotations
@@ -76,6 +77,25 @@ def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, t
         ndim = values[base + 1]
         metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
     return bool(values[2]), metas
+
+
+def encode_failure(origin: int, reason: str) -> torch.Tensor:
+    """A header that says rank ``origin`` failed, carrying as much of ``reason`` as fits."""
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    text = reason.encode("utf-8", "replace")[: (HEADER_SLOTS - 4) * 8]
+    padded = text + b" " * (-len(text) % 8)
+    header[0], header[1], header[2] = _FAILED, origin, len(text)
+    if padded:
+        words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+        header[4 : 4 + len(words)] = words
+    return header
+
+
+def decode_failure(header: torch.Tensor) -> tuple[int, str]:
+    """``(origin rank, reason)`` from a failure header."""
+    length = int(header[2])
+    raw = header[4:].numpy().tobytes()[:length]
+    return int(header[1]), raw.decode("utf-8", "replace")
 
 
 class BufferPool:
@@ -158,7 +178,13 @@ class DistTransport:
             dist.P2POp(dist.isend, tensor, peer, self.group, _tag(key, self.chunks, part + 1))
             for part, tensor in enumerate(tensors)
         ]
-        for work in dist.batch_isend_irecv(operations):
+        try:
+            works = dist.batch_isend_irecv(operations)
+        except RuntimeError as error:
+            raise PeerError(
+                f"stage {self.stage} could not send to rank {peer} (it died?): {error}", peer
+            ) from error
+        for work in works:
             self._sends.append((work, (header, tensors)))
         owed = self._owed.get(key)
         if owed is not None and destination in owed:
@@ -168,8 +194,8 @@ class DistTransport:
         header, work = self._headers.pop(key, None) or self._post_header(key, source)
         self._wait(work, key, source)
         if int(header[0]) == _FAILED:
-            origin = int(header[1])
-            raise PeerError(f"rank {origin} failed{_reason(origin)}; stage {self.stage} stops", origin)
+            origin, reason = decode_failure(header.cpu())
+            raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
         is_tuple, metas = decode_header(header.cpu())
         buffers = [self.pool.take(dtype, shape) for dtype, shape in metas]
         peer = self.stage_ranks[source]
@@ -199,51 +225,31 @@ class DistTransport:
         sends, self._sends = self._sends, []
         deadline = time.monotonic() + self.timeout
         for work, _ in sends:
-            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except RuntimeError as error:
+                raise PeerError(
+                    f"stage {self.stage}: a peer did not take its messages within "
+                    f"{self.timeout:g}s: {error}", -1
+                ) from error
 
     def fail(self, origin: int, reason: str) -> None:
         """Tell every peer still owed a message that ``origin`` failed; best effort."""
-        _announce(self.group, origin, reason)
-        header = torch.zeros(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
-        header[0], header[1] = _FAILED, origin
+        header = encode_failure(origin, reason).to(self._wire_device())
         works = []
         for key, destinations in self._owed.items():
             for destination in destinations:
                 peer = self.stage_ranks[destination]
-                works.append(dist.isend(header, peer, self.group, tag=_tag(key, self.chunks, 0)))
+                try:
+                    works.append(dist.isend(header, peer, self.group, tag=_tag(key, self.chunks, 0)))
+                except RuntimeError:
+                    pass  # that peer is gone already
         self._owed = {}
+        # Messages already under way go out first, so peers reach the failure headers.
         deadline = time.monotonic() + min(self.timeout, 10.0)
-        for work in works:
+        pending, self._sends = [work for work, _ in self._sends], []
+        for work in pending + works:
             try:
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:
                 pass
-
-
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a private API: without it, errors still name the rank
-        return None
-
-
-def _announce(group: Any, origin: int, reason: str) -> None:
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"pipesched/failed/{origin}", reason[:2000])
-        except Exception:
-            pass
-
-
-def _reason(origin: int) -> str:
-    store = _store()
-    if store is None:
-        return ""
-    try:
-        key = f"pipesched/failed/{origin}"
-        if store.check([key]):
-            return f": {store.get(key).decode()}"
-    except Exception:
-        pass
-    return ""

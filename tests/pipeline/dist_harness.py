@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -65,12 +67,16 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any,
     for process in processes:
         process.start()
     results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
-    except Exception:
-        pass
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+                results[rank] = (status, value)
+            except queue_module.Empty:
+                silent = [r for r, p in enumerate(processes) if r not in results]
+                if all(not processes[r].is_alive() for r in silent):
+                    break  # the ones left died without a word
     finally:
         for process in processes:
             process.join(timeout=5)

@@ -1,0 +1,68 @@
+"""Time ``balance`` on 20,000 layers into 64 stages: by time, with send costs, memory-capped.
+
+    python benchmarks/bench_balance.py [--layers 20000] [--stages 64] [--repeat 3]
+
+Prints the best of ``--repeat`` runs for each variant, in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+from partitioners import LayerCost, balance, held_microbatches, stage_memory
+
+
+def best_of(repeat: int, run: Callable[[], list[int]]) -> tuple[float, list[int]]:
+    """The fastest of ``repeat`` runs, in seconds, and the cut it returned."""
+    best, sizes = float("inf"), []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        sizes = run()
+        best = min(best, time.perf_counter() - start)
+    return best, sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=20_000)
+    parser.add_argument("--stages", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    weights = [rng.random() for _ in range(args.layers)]
+    costs = [
+        LayerCost(
+            forward=rng.uniform(1e-4, 1e-3),
+            backward=rng.uniform(2e-4, 2e-3),
+            param_bytes=rng.randint(10**5, 10**6),
+            activation_bytes=rng.randint(10**5, 10**6),
+            saved_bytes=rng.randint(10**5, 10**6),
+        )
+        for _ in range(args.layers)
+    ]
+    plain = balance(costs, args.stages)
+    held = held_microbatches("1f1b", args.stages, args.stages)
+    # A cap 10% under what the time-optimal cut needs, so that memory decides.
+    limit = 0.9 * max(stage_memory(costs, plain, held))
+
+    variants: list[tuple[str, Callable[[], list[int]]]] = [
+        ("by time, plain weights", lambda: balance(weights, args.stages)),
+        ("by time, LayerCost", lambda: balance(costs, args.stages)),
+        ("by time, bandwidth 1 GB/s", lambda: balance(costs, args.stages, bandwidth=1e9)),
+        ("by time, memory-capped (1f1b)", lambda: balance(costs, args.stages, memory_limit=limit)),
+        ("by time, capped + bandwidth", lambda: balance(costs, args.stages, memory_limit=limit,
+                                                        bandwidth=1e9)),
+        ("by params", lambda: balance(costs, args.stages, by="params")),
+    ]
+    print(f"balance of {args.layers} layers into {args.stages} stages (best of {args.repeat}):")
+    for name, run in variants:
+        seconds, sizes = best_of(args.repeat, run)
+        print(f"  {name:<32} {seconds:8.3f} s   largest stage {max(sizes)} layers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Where to cut: profile a model's layers and choose balanced pipeline stages."""
+
+from partitioners.balance import balance, uniform
+from partitioners.cost import LayerCost
+from partitioners.memory import held_microbatches, stage_memory
+from partitioners.profile import profile
+
+__all__ = [
+    "LayerCost",
+    "balance",
+    "held_microbatches",
+    "profile",
+    "stage_memory",
+    "uniform",
+]

@@ -1,0 +1,168 @@
+"""The ``pipe-balance`` command: profile a model factory's layers and print the balanced cut.
+
+    pipe-balance pkg.module:factory --input-shape 32,1024 --stages 4 [--by time]
+        [--memory-limit 8GiB] [--chunks 8 --schedule 1f1b] [--json out.json] [--plot out.png]
+
+Errors in what was asked (a module that does not import, a shape that does not
+parse, more stages than layers, a memory limit no cut meets, ...) print one line
+to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from partitioners.balance import BY, balance, check_stages, uniform
+from partitioners.loading import UsageError, build_model, make_sample, parse_shapes
+from partitioners.units import parse_bytes
+from schedules import schedule_names
+
+PROG = "pipe-balance"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see {PROG} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Profile an nn.Sequential layer by layer and cut it into balanced stages.",
+    )
+    parser.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Sequential")
+    parser.add_argument("--input-shape", required=True, metavar="SHAPE",
+                        help="shape of one micro-batch input, e.g. 32,1024; ';' between "
+                             "several inputs, e.g. '32,16;32,8'")
+    parser.add_argument("--dtype", default="float32",
+                        help="input dtype (float32, int64, ...), or one per input with ';'")
+    parser.add_argument("--stages", required=True, type=int, help="number of pipeline stages")
+    parser.add_argument("--by", choices=BY, default="time", help="what to balance (default: time)")
+    parser.add_argument("--memory-limit", metavar="BYTES",
+                        help="memory per stage, e.g. 8GiB, 512MB or 1e9")
+    parser.add_argument("--bandwidth", metavar="BYTES",
+                        help="bytes per second between stages, e.g. 10GB; adds send time to stages")
+    parser.add_argument("--chunks", type=int, default=8,
+                        help="micro-batches per step, for memory and prediction (default: 8)")
+    parser.add_argument("--schedule", default="1f1b",
+                        help=f"schedule for memory and prediction: {', '.join(schedule_names())}")
+    parser.add_argument("--device", default="cpu", help="where to profile (default: cpu)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per layer (default: 1)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per layer (default: 3)")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a figure (e.g. out.png)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; return the exit status (0, or 2 for an error in what was asked)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as error:
+        message = " ".join(str(error).split())
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    shapes = parse_shapes(args.input_shape)
+    memory_limit = _size("--memory-limit", args.memory_limit)
+    bandwidth = _size("--bandwidth", args.bandwidth)
+    if args.chunks < 1:
+        raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
+    if args.stages < 1:
+        raise UsageError(f"--stages must be >= 1, got {args.stages}")
+
+    import torch  # after the cheap checks: importing torch takes a while
+
+    from partitioners.memory import held_microbatches
+    from partitioners.profile import profile
+    from partitioners.report import comparison_table, report, stage_table, to_data
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = build_model(args.factory)
+    _usage(check_stages, len(model), args.stages)
+    held = _usage(held_microbatches, args.schedule, args.stages, args.chunks)
+    sample = make_sample(shapes, args.dtype)
+    device = _usage(torch.device, args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available here")
+    costs = _usage(profile, model, sample, device=device, warmup=args.warmup, repeat=args.repeat,
+                   progress=False if args.no_progress else None)
+    sizes = _usage(balance, costs, args.stages, by=args.by, memory_limit=memory_limit,
+                   schedule=args.schedule, microbatches=args.chunks, bandwidth=bandwidth)
+    chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth)
+    even_sizes = uniform(len(costs), args.stages)
+    even = report(costs, even_sizes, held, args.schedule, args.chunks, bandwidth)
+    label = f"by {args.by}"
+    print(f"{args.factory}: {len(costs)} layers, input {args.input_shape} {args.dtype}, "
+          f"{args.stages} stages by {args.by}, {args.schedule} with {args.chunks} micro-batches\n")
+    print(stage_table(chosen))
+    print()
+    print(comparison_table(chosen, even, label))
+    if args.json:
+        data = to_data(chosen)
+        data["uniform"] = to_data(even)
+        data["options"] = _options(args, memory_limit, bandwidth)
+        _write(args.json, lambda handle: json.dump(data, handle, indent=2))
+    if args.plot:
+        _plot(chosen, even, label, args.plot)
+    return 0
+
+
+def _size(flag: str, text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text.removesuffix("/s"))
+    except ValueError as error:
+        raise UsageError(f"{flag}: {error}") from None
+
+
+def _usage(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``function``; a ValueError, TypeError or RuntimeError it raises becomes a UsageError."""
+    try:
+        return function(*args, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise UsageError(str(error)) from None
+
+
+def _options(
+    args: argparse.Namespace, memory_limit: float | None, bandwidth: float | None
+) -> dict[str, Any]:
+    return {
+        "factory": args.factory, "input_shape": args.input_shape, "dtype": args.dtype,
+        "stages": args.stages, "by": args.by, "memory_limit": memory_limit,
+        "bandwidth": bandwidth, "chunks": args.chunks, "schedule": args.schedule,
+        "device": args.device,
+    }
+
+
+def _write(path: str, writer: Any) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            writer(handle)
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def _plot(chosen: Any, even: Any, label: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from partitioners.figure import plot_cut
+
+    try:
+        plot_cut(chosen, even, label, path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"cannot write the plot {path}: {error}") from None

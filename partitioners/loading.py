@@ -1,0 +1,109 @@
+"""What the CLI is given, made real: import a model factory, parse shapes, build a sample."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+_FLOAT_HINT = "expected comma-separated positive integers such as 32,1024 (';' between inputs)"
+
+
+class UsageError(Exception):
+    """An error in what the user asked for: reported on one line, exit status 2."""
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"32,1024"`` -> ``[(32, 1024)]``; ``"32,16;32,8"`` -> two inputs.
+
+    Raises:
+        UsageError: anything but positive integers separated by commas.
+    """
+    shapes = []
+    for part in text.split(";"):
+        try:
+            shape = tuple(int(dim) for dim in part.split(","))
+        except ValueError:
+            raise UsageError(f"malformed --input-shape {text!r}: {_FLOAT_HINT}") from None
+        if any(dim < 1 for dim in shape):
+            raise UsageError(f"malformed --input-shape {text!r}: {_FLOAT_HINT}")
+        shapes.append(shape)
+    return shapes
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``"pkg.module:factory"`` (the current directory is importable) and return it.
+
+    Raises:
+        UsageError: a malformed spec, a module that does not import, a missing
+            attribute, or one that is not callable.
+    """
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise UsageError(f"expected MODULE:FACTORY such as mypkg.models:build, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import module {module_name!r}: {error}") from None
+    except Exception as error:  # noqa: BLE001 - the user's module raised while importing
+        raise UsageError(
+            f"importing module {module_name!r} raised {type(error).__name__}: {error}"
+        ) from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise UsageError(f"module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise UsageError(f"{spec} is a {type(target).__name__}, expected a callable factory")
+    return target
+
+
+def build_model(spec: str) -> Any:
+    """Call the factory named by ``spec`` and check that it returns a non-empty nn.Sequential.
+
+    Raises:
+        UsageError: the factory cannot be loaded, raises, or returns something else.
+    """
+    from torch import nn
+
+    factory = load_factory(spec)
+    try:
+        model = factory()
+    except Exception as error:  # noqa: BLE001 - the user's factory raised
+        raise UsageError(f"{spec}() raised {type(error).__name__}: {error}") from None
+    if not isinstance(model, nn.Sequential):
+        raise UsageError(f"{spec}() returned a {type(model).__name__}, expected an nn.Sequential")
+    if len(model) == 0:
+        raise UsageError(f"{spec}() returned an empty nn.Sequential, expected at least one layer")
+    return model
+
+
+def make_sample(shapes: list[tuple[int, ...]], dtypes: str) -> Any:
+    """Random floating inputs (zeros for integer dtypes, valid as indices) of the given shapes.
+
+    Raises:
+        UsageError: an unknown dtype, or a count of dtypes that matches neither one
+            nor the number of inputs.
+    """
+    import torch
+
+    names = [name.strip() for name in dtypes.split(";")]
+    if len(names) == 1:
+        names *= len(shapes)
+    if len(names) != len(shapes):
+        raise UsageError(
+            f"--dtype: expected one dtype or {len(shapes)} (one per input), got {len(names)}"
+        )
+    tensors = []
+    for shape, name in zip(shapes, names):
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise UsageError(f"--dtype: unknown dtype {name!r}, expected e.g. float32 or int64")
+        if dtype.is_floating_point or dtype.is_complex:
+            tensors.append(torch.randn(shape, dtype=dtype))
+        else:
+            tensors.append(torch.zeros(shape, dtype=dtype))
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)

@@ -1,0 +1,79 @@
+"""Stage memory under a schedule: parameters with their gradients, plus held saved activations."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from itertools import accumulate
+
+from partitioners.cost import LayerCost
+from partitioners.feasibility import MemoryCap
+from schedules import Schedule, get_schedule, simulate
+
+
+def held_microbatches(
+    schedule: str | Schedule, stages: int, microbatches: int | None = None
+) -> tuple[float, ...]:
+    """Per stage, the most micro-batches whose saved activations it holds at once.
+
+    Read from ``simulate(schedule).peak_activations``: GPipe holds all M, 1F1B
+    ``min(P - s, M)`` on stage s.
+
+    Args:
+        schedule: a schedule name (``"1f1b"``, ``"gpipe"``, ...) or a Schedule.
+        stages: number of stages; must match a given Schedule.
+        microbatches: micro-batches per step; None means ``stages`` (1F1B's full
+            steady state). Ignored for a given Schedule.
+
+    Raises:
+        ValueError: an unknown schedule name, bad counts, or a schedule that does
+            not hold one model chunk per stage.
+    """
+    if isinstance(schedule, Schedule):
+        timetable = schedule
+        if timetable.stages != stages:
+            raise ValueError(
+                f"schedule has {timetable.stages} stages, expected stages={stages}"
+            )
+    else:
+        timetable = get_schedule(schedule, stages, stages if microbatches is None else microbatches)
+    if timetable.chunks != timetable.stages:
+        raise ValueError(
+            f"balance cuts one model chunk per stage, but schedule {timetable.name!r} places "
+            f"{timetable.chunks} chunks on {timetable.stages} stages"
+        )
+    return simulate(timetable).peak_activations
+
+
+def stage_memory(
+    costs: Sequence[LayerCost], sizes: Sequence[int], held: Sequence[float]
+) -> list[float]:
+    """Bytes per stage of the cut ``sizes``: ``2 * param_bytes + held * saved_bytes``."""
+    memory, start = [], 0
+    for stage, size in enumerate(sizes):
+        layers = costs[start : start + size]
+        fixed = sum(2 * cost.param_bytes for cost in layers)
+        saved = sum(cost.saved_bytes for cost in layers)
+        memory.append(fixed + held[stage] * saved)
+        start += size
+    return memory
+
+
+def memory_cap(
+    costs: Sequence[LayerCost], held: Sequence[float], limit: float
+) -> tuple[MemoryCap, int]:
+    """The exact integer cap for ``feasibility``, and the scale its units carry.
+
+    Held counts can be fractions of a micro-batch (a chunk of a stage with several);
+    every quantity is multiplied by the common denominator so that all stay integers.
+    """
+    ratios = [Fraction(h).limit_denominator(1000) for h in held]
+    scale = math.lcm(*(ratio.denominator for ratio in ratios))
+    cap = MemoryCap(
+        fixed=tuple(accumulate((2 * scale * cost.param_bytes for cost in costs), initial=0)),
+        saved=tuple(accumulate((cost.saved_bytes for cost in costs), initial=0)),
+        held=tuple(int(ratio * scale) for ratio in ratios),
+        limit=math.floor(Fraction(limit) * scale),
+    )
+    return cap, scale

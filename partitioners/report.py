@@ -1,0 +1,239 @@
+"""What a cut means: per-stage costs and memory, imbalance, and its predicted step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from partitioners.cost import LayerCost
+from partitioners.units import format_bytes
+from schedules import Timeline, get_schedule, simulate
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One stage of a cut.
+
+    Attributes:
+        first, last: the stage's first and last layer indices (inclusive).
+        types: the type names of its layers, in order.
+        forward, backward: summed seconds per micro-batch.
+        share: the stage's fraction of the model's forward+backward time.
+        param_bytes: its parameters' bytes.
+        saved_bytes: what autograd saves per micro-batch in this stage.
+        held: micro-batches whose saved bytes it holds at once under the schedule.
+        send_bytes: the activation it sends to the next stage (0 for the last).
+        send_time: seconds to send it, given a bandwidth (else 0).
+    """
+
+    first: int
+    last: int
+    types: tuple[str, ...]
+    forward: float
+    backward: float
+    share: float
+    param_bytes: int
+    saved_bytes: int
+    held: float
+    send_bytes: int
+    send_time: float = 0.0
+
+    @property
+    def time(self) -> float:
+        """Forward plus backward seconds."""
+        return self.forward + self.backward
+
+    @property
+    def cost(self) -> float:
+        """What ``balance`` weighs: forward, backward and the send, in seconds."""
+        return self.time + self.send_time
+
+    @property
+    def activation_memory(self) -> float:
+        """Saved bytes times the micro-batches held at once."""
+        return self.saved_bytes * self.held
+
+    @property
+    def memory(self) -> float:
+        """Parameters with their gradients, plus the held activations."""
+        return 2 * self.param_bytes + self.activation_memory
+
+
+@dataclass(frozen=True)
+class CutReport:
+    """A cut, its stages and its predicted step under a schedule."""
+
+    balance: tuple[int, ...]
+    stages: tuple[StageReport, ...]
+    timeline: Timeline
+    schedule: str
+    microbatches: int
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest stage cost over the mean stage cost (1.0 is perfect)."""
+        times = [stage.cost for stage in self.stages]
+        mean = sum(times) / len(times)
+        return max(times) / mean if mean > 0 else 1.0
+
+    @property
+    def step_time(self) -> float:
+        return self.timeline.makespan
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.timeline.bubble_fraction
+
+
+def report(
+    costs: Sequence[LayerCost],
+    sizes: Sequence[int],
+    held: Sequence[float],
+    schedule: str,
+    microbatches: int,
+    bandwidth: float | None = None,
+) -> CutReport:
+    """Summarise the cut ``sizes`` of ``costs`` and simulate it under ``schedule``.
+
+    With ``bandwidth``, each stage but the last also costs its send time, as in
+    ``balance``; in the simulation every cross-stage transfer takes the largest
+    boundary activation's send time (a conservative single figure).
+    """
+    total = sum(cost.time for cost in costs) or 1.0
+    stages, start = [], 0
+    for stage, size in enumerate(sizes):
+        layers = costs[start : start + size]
+        last = stage == len(sizes) - 1
+        stages.append(
+            StageReport(
+                first=start,
+                last=start + size - 1,
+                types=tuple(cost.name or "?" for cost in layers),
+                forward=sum(cost.forward for cost in layers),
+                backward=sum(cost.backward for cost in layers),
+                share=sum(cost.time for cost in layers) / total,
+                param_bytes=sum(cost.param_bytes for cost in layers),
+                saved_bytes=sum(cost.saved_bytes for cost in layers),
+                held=held[stage],
+                send_bytes=0 if last else layers[-1].activation_bytes,
+                send_time=0.0 if last or not bandwidth else layers[-1].activation_bytes / bandwidth,
+            )
+        )
+        start += size
+    comm = max(stage.send_time for stage in stages)
+    timeline = simulate(
+        get_schedule(schedule, len(sizes), microbatches),
+        forward=[stage.forward for stage in stages],
+        backward=[stage.backward for stage in stages],
+        comm=comm,
+    )
+    return CutReport(tuple(sizes), tuple(stages), timeline, schedule, microbatches)
+
+
+def layer_types(types: Sequence[str], width: int = 30) -> str:
+    """``("Linear", "ReLU", "ReLU")`` -> ``"Linear, ReLU x2"``, cut to ``width`` characters."""
+    runs: list[list[Any]] = []
+    for name in types:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    text = ", ".join(name if count == 1 else f"{name} x{count}" for name, count in runs)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def stage_table(cut: CutReport) -> str:
+    """The per-stage table, one row per stage and a total row; send times if there are any."""
+    timed_sends = any(stage.send_time for stage in cut.stages)
+    header = (
+        f"{'stage':>5}  {'layers':<9} {'types':<30} {'fwd ms':>9} {'bwd ms':>9} {'share':>6}"
+        f"  {'params':>10}  {'act. memory':>11}  {'sends':>10}"
+    ) + (f" {'send ms':>9}" if timed_sends else "")
+    lines = [header, "-" * len(header)]
+    for index, stage in enumerate(cut.stages):
+        span = f"{stage.first}-{stage.last}" if stage.last > stage.first else f"{stage.first}"
+        sends = format_bytes(stage.send_bytes) if stage.send_bytes else "-"
+        row = (
+            f"{index:>5}  {span:<9} {layer_types(stage.types):<30} {stage.forward * 1e3:>9.3f} "
+            f"{stage.backward * 1e3:>9.3f} {stage.share:>6.1%}  "
+            f"{format_bytes(stage.param_bytes):>10}"
+            f"  {format_bytes(stage.activation_memory):>11}  {sends:>10}"
+        )
+        if timed_sends:
+            row += f" {stage.send_time * 1e3:>9.3f}" if stage.send_bytes else f" {'-':>9}"
+        lines.append(row)
+    forward = sum(stage.forward for stage in cut.stages)
+    backward = sum(stage.backward for stage in cut.stages)
+    params = sum(stage.param_bytes for stage in cut.stages)
+    lines.append("-" * len(header))
+    lines.append(
+        f"{'total':>5}  {'':<9} {'':<30} {forward * 1e3:>9.3f} {backward * 1e3:>9.3f} "
+        f"{1:>6.1%}  {format_bytes(params):>10}"
+    )
+    return "\n".join(lines)
+
+
+def comparison_table(chosen: CutReport, uniform: CutReport, label: str) -> str:
+    """The chosen cut beside the uniform one: imbalance, predicted step time and bubble."""
+    rows = [
+        ("balance", str(list(chosen.balance)), str(list(uniform.balance))),
+        ("slowest stage", _ms(_slowest(chosen)), _ms(_slowest(uniform))),
+        ("imbalance", f"{chosen.imbalance:.3f}", f"{uniform.imbalance:.3f}"),
+        ("step time", _ms(chosen.step_time), _ms(uniform.step_time)),
+        ("bubble", f"{chosen.bubble_fraction:.1%}", f"{uniform.bubble_fraction:.1%}"),
+        (
+            "peak memory",
+            format_bytes(max(s.memory for s in chosen.stages)),
+            format_bytes(max(s.memory for s in uniform.stages)),
+        ),
+    ]
+    width = max(len(label), *(len(row[1]) for row in rows)) + 2
+    lines = [f"{'':<15}{label:<{width}}uniform"]
+    lines += [f"{name:<15}{mine:<{width}}{theirs}" for name, mine, theirs in rows]
+    lines.append(
+        f"(predicted by schedules.simulate: {chosen.schedule}, "
+        f"{chosen.microbatches} micro-batches; "
+        f"imbalance = slowest / mean stage; memory = 2 x params + saved x held)"
+    )
+    return "\n".join(lines)
+
+
+def _slowest(cut: CutReport) -> float:
+    return max(stage.cost for stage in cut.stages)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def to_data(cut: CutReport) -> dict[str, Any]:
+    """The cut as JSON-ready data, ``balance`` first."""
+    return {
+        "balance": list(cut.balance),
+        "stages": [
+            {
+                "stage": index,
+                "layers": [stage.first, stage.last],
+                "types": list(stage.types),
+                "forward_ms": stage.forward * 1e3,
+                "backward_ms": stage.backward * 1e3,
+                "share": stage.share,
+                "param_bytes": stage.param_bytes,
+                "saved_bytes": stage.saved_bytes,
+                "held_microbatches": stage.held,
+                "activation_memory_bytes": stage.activation_memory,
+                "memory_bytes": stage.memory,
+                "send_bytes": stage.send_bytes,
+                "send_ms": stage.send_time * 1e3,
+            }
+            for index, stage in enumerate(cut.stages)
+        ],
+        "imbalance": cut.imbalance,
+        "predicted": {
+            "schedule": cut.schedule,
+            "microbatches": cut.microbatches,
+            "step_time_ms": cut.step_time * 1e3,
+            "bubble_fraction": cut.bubble_fraction,
+        },
+    }

@@ -1,0 +1,58 @@
+"""Gather a pipelined model's state on one rank, and save checkpoints atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """The full model's state dict on group rank ``dst`` (CPU tensors), None elsewhere.
+
+    Every rank of the pipe's group must call it. In one process it is simply the
+    model's state dict. The keys are the original model's (``"4.weight"``), so the
+    result loads into the unpipelined model.
+    """
+    local = {name: tensor.detach().cpu() for name, tensor in pipe.state_dict().items()}
+    group = getattr(pipe, "_group", None)
+    if group is None:
+        return local
+    size = dist.get_world_size(group)
+    gathered: list[Any] | None = [None] * size if dist.get_rank(group) == dst else None
+    dist.gather_object(local, gathered, dst=dist.get_global_rank(group, dst), group=group)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return dict(sorted(merged.items(), key=lambda item: _layer_order(item[0])))
+
+
+def _layer_order(key: str) -> tuple[int, str]:
+    head, _, rest = key.partition(".")
+    return (int(head), rest) if head.isdigit() else (-1, key)
+
+
+def save_state_dict(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to a temporary file beside ``path``, then rename it into place.
+
+    A crash mid-write leaves the previous checkpoint (or nothing), never half a file.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            torch.save(state, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return target

@@ -1,0 +1,259 @@
+"""balance: exact against brute force (time, tie-break, memory, bandwidth), modes and errors."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balance_brute import best_top_two, cuts, stage_costs, top_two
+from partitioners import LayerCost, balance, held_microbatches, stage_memory, uniform
+
+
+def random_weights(rng: random.Random, layers: int) -> list[float]:
+    kind = rng.choice(["int", "float", "mixed"])
+    if kind == "int":
+        return [rng.randint(0, 6) for _ in range(layers)]
+    if kind == "float":
+        scale = rng.choice([1.0, 1e-4, 1e3])
+        return [rng.random() * scale for _ in range(layers)]
+    return [rng.choice([0, 0.0, 1, 2.5, rng.random(), rng.randint(0, 3)]) for _ in range(layers)]
+
+
+def check_sizes(sizes: list[int], layers: int, stages: int) -> None:
+    assert len(sizes) == stages
+    assert all(size >= 1 for size in sizes)
+    assert sum(sizes) == layers
+
+
+def test_time_matches_brute_force_on_400_random_cases() -> None:
+    rng = random.Random(2024)
+    for _ in range(400):
+        layers = rng.randint(1, 12)
+        stages = rng.randint(1, min(5, layers))
+        weights = random_weights(rng, layers)
+        sizes = balance(weights, stages, by="time")
+        check_sizes(sizes, layers, stages)
+        slowest, second = top_two(stage_costs(weights, sizes))
+        best_slowest, best_second = best_top_two(weights, stages)
+        assert math.isclose(slowest, best_slowest, rel_tol=1e-12, abs_tol=0)
+        # Exact, not just close: costs are summed as fractions on both sides.
+        assert (slowest, second) == (best_slowest, best_second), (weights, stages, sizes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=20) | st.floats(min_value=0, max_value=1e3),
+             min_size=1, max_size=10),
+    st.integers(min_value=1, max_value=5),
+)
+def test_time_matches_brute_force_hypothesis(weights: list[float], stages: int) -> None:
+    stages = min(stages, len(weights))
+    sizes = balance(weights, stages)
+    check_sizes(sizes, len(weights), stages)
+    assert top_two(stage_costs(weights, sizes)) == best_top_two(weights, stages)
+
+
+def test_tie_break_prefers_smallest_second_stage() -> None:
+    # The bottleneck 10 is fixed; six ones then split 3 + 3, not 5 + 1 or 1 + 5.
+    assert balance([10, 1, 1, 1, 1, 1, 1], 3) == [1, 3, 3]
+    assert balance([1, 1, 1, 1, 1, 1, 10], 3) == [3, 3, 1]
+
+
+def test_documented_examples() -> None:
+    assert balance([3.0, 1.0, 2.0, 2.0], stages=2) == [2, 2]
+    assert balance([0, 0, 0], 3) == [1, 1, 1]
+    assert balance([5], 1) == [1]
+    assert balance([7, 7, 7, 7], 4) == [1, 1, 1, 1]
+
+
+def test_layer_costs_balance_forward_plus_backward() -> None:
+    costs = [LayerCost(forward=f, backward=2 * f) for f in (1.0, 1.0, 4.0, 1.0, 1.0)]
+    assert balance(costs, 3) == [2, 1, 2]
+    assert balance([cost.time for cost in costs], 3) == [2, 1, 2]
+
+
+def test_by_params_balances_parameter_bytes() -> None:
+    costs = [LayerCost(1.0, 1.0, param_bytes=p) for p in (100, 100, 800, 100, 100, 100)]
+    sizes = balance(costs, 3, by="params")
+    assert sizes == [2, 1, 3]
+    params = [cost.param_bytes for cost in costs]
+    assert top_two(stage_costs(params, sizes)) == best_top_two(params, 3)
+
+
+def test_uniform_gives_earlier_stages_the_remainder() -> None:
+    assert uniform(10, 3) == [4, 3, 3]
+    assert balance([1.0] * 10, 3, by="uniform") == [4, 3, 3]
+    assert balance([100.0, 1.0, 1.0, 1.0], 2, by="uniform") == [2, 2]
+
+
+def random_costs(rng: random.Random, layers: int) -> list[LayerCost]:
+    return [
+        LayerCost(
+            forward=w,
+            backward=0.0,
+            param_bytes=rng.randint(0, 40),
+            activation_bytes=rng.randint(0, 100),
+            saved_bytes=rng.randint(0, 30),
+        )
+        for w in random_weights(rng, layers)
+    ]
+
+
+def memory_fits(costs: list[LayerCost], held: tuple[float, ...], limit: float):  # noqa: ANN201
+    def allowed(sizes: list[int]) -> bool:
+        return max(stage_memory(costs, sizes, held)) <= limit
+
+    return allowed
+
+
+def test_memory_limit_matches_brute_force() -> None:
+    rng = random.Random(7)
+    checked = infeasible = 0
+    for _ in range(300):
+        layers = rng.randint(1, 10)
+        stages = rng.randint(1, min(5, layers))
+        costs = random_costs(rng, layers)
+        schedule = rng.choice(["1f1b", "gpipe"])
+        microbatches = rng.randint(1, 6)
+        limit = rng.randint(30, 400)
+        held = held_microbatches(schedule, stages, microbatches)
+        weights = [cost.time for cost in costs]
+        allowed = memory_fits(costs, held, limit)
+        expected = best_top_two(weights, stages, allowed=allowed)
+        if expected is None:
+            infeasible += 1
+            smallest = min(max(stage_memory(costs, s, held)) for s in cuts(layers, stages))
+            pattern = rf"smallest limit that fits is .*\b{math.ceil(smallest)}\b"
+            with pytest.raises(ValueError, match=pattern):
+                balance(costs, stages, memory_limit=limit, schedule=schedule,
+                        microbatches=microbatches)
+            continue
+        sizes = balance(costs, stages, memory_limit=limit, schedule=schedule,
+                        microbatches=microbatches)
+        check_sizes(sizes, layers, stages)
+        assert allowed(sizes)
+        assert top_two(stage_costs(weights, sizes)) == expected
+        checked += 1
+    assert checked > 100 and infeasible > 20
+
+
+def test_memory_error_names_the_smallest_limit_that_fits() -> None:
+    costs = [LayerCost(1.0, 1.0, param_bytes=100, saved_bytes=10) for _ in range(4)]
+    # 1F1B over 2 stages with 4 micro-batches holds 2 on stage 0 and 1 on stage 1.
+    with pytest.raises(ValueError) as caught:
+        balance(costs, 2, memory_limit=300, schedule="1f1b", microbatches=4)
+    message = str(caught.value)
+    assert "\n" not in message
+    smallest = int(re.search(r"smallest limit that fits is (\d+) B", message).group(1))
+    assert smallest == 2 * 200 + 2 * 20  # [2, 2]: stage 0 holds 2 micro-batches of 20 bytes
+    assert balance(costs, 2, memory_limit=smallest, microbatches=4) == [2, 2]
+    with pytest.raises(ValueError):
+        balance(costs, 2, memory_limit=smallest - 1, microbatches=4)
+
+
+def test_memory_limit_moves_layers_off_the_early_stages() -> None:
+    # 1F1B: stage 0 of 2 holds two micro-batches, stage 1 one; time alone says [2, 2].
+    costs = [LayerCost(1.0, 1.0, saved_bytes=10) for _ in range(4)]
+    assert balance(costs, 2) == [2, 2]
+    assert balance(costs, 2, memory_limit=30, microbatches=4) == [1, 3]
+    assert balance(costs, 2, memory_limit=float("inf")) == [2, 2]
+
+
+def test_bandwidth_matches_brute_force() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        layers = rng.randint(1, 10)
+        stages = rng.randint(1, min(5, layers))
+        costs = random_costs(rng, layers)
+        bandwidth = rng.choice([7, 10.0, 100, 0.5])
+        limit = rng.choice([None, rng.randint(60, 400)])
+        send = [Fraction(cost.activation_bytes) / Fraction(bandwidth) for cost in costs]
+        weights = [cost.time for cost in costs]
+        held = held_microbatches("1f1b", stages, None)
+        allowed = None if limit is None else memory_fits(costs, held, limit)
+        expected = best_top_two(weights, stages, send=send, allowed=allowed)
+        if expected is None:
+            with pytest.raises(ValueError):
+                balance(costs, stages, memory_limit=limit, bandwidth=bandwidth)
+            continue
+        sizes = balance(costs, stages, memory_limit=limit, bandwidth=bandwidth)
+        check_sizes(sizes, layers, stages)
+        assert top_two(stage_costs(weights, sizes, send)) == expected, (costs, stages, bandwidth)
+
+
+def test_bandwidth_prefers_cutting_at_small_activations() -> None:
+    costs = [LayerCost(1.0, 0.0, activation_bytes=size) for size in (1, 100, 100, 100)]
+    assert balance(costs, 2) == [2, 2]
+    # Cutting after layer 1 sends 100 bytes (2 s at 50 B/s): stage 0 would take 4 s.
+    # Cutting after layer 0 sends 1 byte: stages take 1.02 s and 3 s.
+    assert balance(costs, 2, bandwidth=50.0) == [1, 3]
+
+
+def test_20000_weights_into_64_stages_take_under_a_second() -> None:
+    rng = random.Random(3)
+    weights = [rng.random() for _ in range(20_000)]
+    start = time.perf_counter()
+    sizes = balance(weights, 64)
+    elapsed = time.perf_counter() - start
+    check_sizes(sizes, 20_000, 64)
+    assert elapsed < 1.0
+    # Optimal means no stage can go below the mean, and the slowest is the bottleneck found.
+    slowest = max(stage_costs(weights, sizes))
+    assert slowest >= sum(Fraction(w) for w in weights) / 64
+
+
+@pytest.mark.parametrize(
+    ("costs", "stages", "pattern"),
+    [
+        ([1.0, 2.0], 3, r"cannot cut 2 layers into 3 non-empty stages: expected stages <= 2"),
+        ([1.0, 2.0], 0, r"stages must be >= 1, got stages=0"),
+        ([1.0, 2.0], -1, r"stages must be >= 1"),
+        ([1.0, 2.0], 1.5, r"stages must be an int >= 1, got 1.5"),
+        ([1.0, 2.0], True, r"stages must be an int"),
+        ([], 1, r"expected at least one layer"),
+        ([1.0, -2.0], 1, r"cost 1: expected a finite weight >= 0, got -2.0"),
+        ([1.0, float("nan")], 1, r"expected a finite weight"),
+        (["a"], 1, r"cost 0: expected a number or a LayerCost, got 'a'"),
+        ([LayerCost(1.0, 1.0), 2.0], 1, r"all LayerCost or all plain numbers"),
+    ],
+)
+def test_bad_input_raises_value_error(costs: list, stages: object, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        balance(costs, stages)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"by": "speed"}, r"by must be one of time, params, uniform; got 'speed'"),
+        ({"by": "params"}, r"by='params' needs LayerCost entries"),
+        ({"memory_limit": 10}, r"memory_limit needs LayerCost entries"),
+        ({"bandwidth": 10}, r"bandwidth needs LayerCost entries"),
+    ],
+)
+def test_options_that_need_layer_costs(options: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        balance([1.0, 2.0], 1, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"bandwidth": 0}, r"bandwidth must be bytes per second > 0, got 0"),
+        ({"bandwidth": 1.0, "by": "params"}, r"needs by='time', got by='params'"),
+        ({"memory_limit": -1}, r"memory_limit must be a number of bytes >= 0, got -1"),
+        ({"memory_limit": 10, "schedule": "nope"}, r"unknown schedule 'nope'"),
+        ({"memory_limit": 1, "by": "uniform"}, r"the uniform cut \[1, 1\] needs"),
+    ],
+)
+def test_bad_options_raise_value_error(options: dict, pattern: str) -> None:
+    costs = [LayerCost(1.0, 1.0, param_bytes=8), LayerCost(1.0, 1.0, param_bytes=8)]
+    with pytest.raises(ValueError, match=pattern):
+        balance(costs, 2, **options)

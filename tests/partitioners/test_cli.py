@@ -1,0 +1,128 @@
+"""pipe-balance in a subprocess: the table, JSON and PNG it writes, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from partitioners.cli import main
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = Path(sys.executable).parent / "pipe-balance"
+
+
+def run(args: list[str], cwd: Path, script: bool = False) -> subprocess.CompletedProcess[str]:
+    command = [str(SCRIPT)] if script else [sys.executable, "-m", "partitioners"]
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    return subprocess.run(
+        command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="the pipe-balance script is not installed")
+def test_console_script_writes_table_json_and_png(tmp_path: Path) -> None:
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    # From the factory's own directory, without PYTHONPATH: the current directory imports.
+    result = subprocess.run(
+        [str(SCRIPT), "cli_factories:mlp", "--input-shape", "16,32", "--stages", "4",
+         "--chunks", "6", "--schedule", "gpipe", "--threads", "1", "--repeat", "2",
+         "--json", str(out_json), "--plot", str(out_png)],
+        cwd=HERE, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    words = ("stage", "fwd ms", "bwd ms", "share", "imbalance", "step time", "bubble", "uniform")
+    for text in words:
+        assert text in result.stdout
+    data = json.loads(out_json.read_text())
+    assert next(iter(data)) == "balance"
+    assert sum(data["balance"]) == 12 and len(data["balance"]) == 4
+    assert len(data["stages"]) == 4 and data["stages"][0]["layers"][0] == 0
+    assert data["stages"][-1]["layers"][1] == 11
+    assert data["imbalance"] >= 1.0
+    assert data["predicted"]["schedule"] == "gpipe" and data["predicted"]["microbatches"] == 6
+    assert 0 < data["predicted"]["bubble_fraction"] < 1
+    assert data["uniform"]["balance"] == [3, 3, 3, 3]
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out_png.stat().st_size > 10_000
+
+
+def test_module_run_with_memory_limit_and_bandwidth(tmp_path: Path) -> None:
+    result = run(
+        ["cli_factories:mlp", "--input-shape", "16,32", "--stages", "3", "--threads", "1",
+         "--memory-limit", "1GiB", "--bandwidth", "10GB/s", "--no-progress", "--json", "o.json"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert sum(json.loads((tmp_path / "o.json").read_text())["balance"]) == 12
+
+
+ERRORS = [
+    (["no_such_module_xyz:build", "--input-shape", "4,32", "--stages", "2"],
+     "cannot import module 'no_such_module_xyz'"),
+    (["cli_factories:missing", "--input-shape", "4,32", "--stages", "2"],
+     "module 'cli_factories' has no attribute 'missing'"),
+    (["cli_factories:not_sequential", "--input-shape", "4,32", "--stages", "2"],
+     "returned a Linear, expected an nn.Sequential"),
+    (["cli_factories:mlp", "--input-shape", "4,x", "--stages", "2"],
+     "malformed --input-shape '4,x'"),
+    (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "13"],
+     "cannot cut 12 layers into 13 non-empty stages"),
+    (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "2", "--memory-limit", "1KiB"],
+     "the smallest limit that fits is"),
+    (["cli_factories:empty", "--input-shape", "4,32", "--stages", "1"],
+     "empty nn.Sequential"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), ERRORS, ids=[
+    "not-importable", "no-attribute", "not-sequential", "bad-shape", "too-many-stages",
+    "memory-limit", "empty-model",
+])
+def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run(args + ["--threads", "1"], cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pipe-balance: error: ")
+    assert message in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["cli_factories", "--input-shape", "4", "--stages", "1"], "expected MODULE:FACTORY"),
+        (["m:f", "--input-shape", "4", "--stages", "0"], "--stages must be >= 1, got 0"),
+        (["m:f", "--input-shape", "4;0,2", "--stages", "1"], "malformed --input-shape"),
+        (["m:f", "--input-shape", "4", "--stages", "1", "--memory-limit", "8XB"], "--memory-limit"),
+        (["m:f", "--input-shape", "4", "--stages", "1", "--chunks", "0"], "--chunks must be >= 1"),
+        (["cli_factories:NOT_CALLABLE", "--input-shape", "4", "--stages", "1"],
+         "expected a callable"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "1", "--dtype", "float99"],
+         "unknown dtype 'float99'"),
+        (["cli_factories:mlp", "--input-shape", "4,31", "--stages", "1"],
+         "profiling layer 0 (Linear) failed"),
+        (["m:f", "--input-shape", "4"], "the following arguments are required: --stages"),
+    ],
+)
+def test_more_errors_in_process(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    try:
+        status = main(args + ["--no-progress"])
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err

@@ -1,0 +1,142 @@
+"""profile: relative times, bytes, tuple inputs and outputs, and a model left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from partitioners import LayerCost, balance, profile
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # noqa: ANN201
+    # Timings on a shared 2-core machine: a second OpenMP thread waits for a busy core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_linear_eight_times_wider_measures_at_least_three_times_slower() -> None:
+    torch.manual_seed(0)
+    width = 256
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(5)], nn.Linear(width, 8 * width))
+    costs = profile(model, torch.randn(128, width), repeat=5)
+    normal = sorted(cost.forward for cost in costs[1:5])[len(costs[1:5]) // 2]
+    normal_time = sorted(cost.time for cost in costs[1:5])[len(costs[1:5]) // 2]
+    assert costs[-1].forward >= 3 * normal
+    assert costs[-1].time >= 3 * normal_time
+    assert costs[-1].param_bytes == 8 * costs[0].param_bytes  # 8x the weight and the bias
+    for stages in (2, 3, 4):
+        sizes = balance(costs, stages, by="time")
+        assert sizes[-1] == 1, (stages, sizes, [cost.time for cost in costs])
+
+
+def test_bytes_of_a_linear_and_a_relu() -> None:
+    batch, width = 4, 8
+    model = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU())
+    linear, relu = profile(model, torch.randn(batch, width), warmup=0, repeat=1)
+    assert linear == LayerCost(
+        linear.forward, linear.backward,
+        param_bytes=(width * 2 * width + 2 * width) * 4,
+        activation_bytes=batch * 2 * width * 4,
+        saved_bytes=batch * width * 4,  # its input; the weight is a parameter, not counted
+        name="Linear",
+    )
+    assert relu.param_bytes == 0
+    assert relu.activation_bytes == batch * 2 * width * 4
+    assert relu.saved_bytes == batch * 2 * width * 4  # its output
+    assert linear.forward > 0 and linear.backward > 0 and relu.time > 0
+
+
+class Split(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x[:, :3] * 2, x[:, 3:].exp()
+
+
+class Join(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        left, right = pair
+        return torch.cat([left, right.sin()], dim=1)
+
+
+class Pairwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 5)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, tokens = pair
+        return self.linear(x), tokens
+
+
+def test_tuple_inputs_and_outputs_flow_layer_to_layer() -> None:
+    model = nn.Sequential(Split(), Join(), nn.Linear(5, 5))
+    costs = profile(model, torch.randn(6, 5), warmup=0, repeat=2)
+    assert [cost.name for cost in costs] == ["Split", "Join", "Linear"]
+    assert costs[0].activation_bytes == 6 * 5 * 4
+    assert all(cost.backward > 0 for cost in costs)
+    # A tuple sample whose second tensor is integer: it passes through without a gradient.
+    model = nn.Sequential(Pairwise(), Pairwise())
+    sample = (torch.randn(2, 5), torch.zeros(2, 3, dtype=torch.int64))
+    costs = profile(model, sample, warmup=0, repeat=1)
+    assert costs[0].activation_bytes == 2 * 5 * 4 + 2 * 3 * 8
+    assert costs[0].param_bytes == 30 * 4
+
+
+def test_model_is_left_as_it_was() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    model.eval()
+    model[1].train()  # a mixed state, restored module by module
+    model[0].weight.grad = torch.full_like(model[0].weight, 7.0)
+    grad = model[0].weight.grad
+    weight_storage = model[0].weight.data_ptr()
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    sample = torch.randn(8, 4)
+    rng = torch.get_rng_state()
+
+    profile(model, sample, warmup=1, repeat=2)
+
+    assert [module.training for module in model] == [False, True, False, False]
+    assert model.training is False
+    assert model[0].weight.grad is grad and torch.equal(grad, torch.full_like(grad, 7.0))
+    assert model[3].weight.grad is None and model[1].weight.grad is None
+    assert model[0].weight.data_ptr() == weight_storage
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name  # running stats included
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profiling_on_cuda_moves_the_model_back() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    costs = profile(model, torch.randn(16, 64), device="cuda")
+    assert len(costs) == 3 and all(cost.time > 0 for cost in costs[::2])
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_progress_bar_on_request_only(capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    profile(model, torch.randn(1, 2), warmup=0, repeat=1)  # stderr is not a terminal here
+    assert capsys.readouterr().err == ""
+    profile(model, torch.randn(1, 2), warmup=0, repeat=1, progress=True)
+    assert "profile" in capsys.readouterr().err
+
+
+def test_errors_say_what_was_expected() -> None:
+    empty = "expected an nn.Sequential with at least one layer, got an empty one"
+    with pytest.raises(ValueError, match=empty):
+        profile(nn.Sequential(), torch.randn(1, 2))
+    with pytest.raises(TypeError, match="expected an nn.Sequential, got Linear"):
+        profile(nn.Linear(2, 2), torch.randn(1, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors, got list"):
+        profile(nn.Sequential(nn.ReLU()), [[1.0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="repeat must be an int >= 1, got 0"):
+        profile(nn.Sequential(nn.ReLU()), torch.randn(1), repeat=0)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
+        profile(nn.Sequential(nn.ReLU()), torch.randn(1), warmup=-1)
+    with pytest.raises(RuntimeError, match=r"profiling layer 1 \(Linear\) failed"):
+        profile(nn.Sequential(nn.Linear(2, 3), nn.Linear(2, 2)), torch.randn(1, 2))

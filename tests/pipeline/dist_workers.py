@@ -1,0 +1,311 @@
+"""Functions that run inside spawned gloo ranks for the distributed tests (importable by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
+MODES = ("always", "except_last", "never")
+
+
+def deep_mlp(width: int = 6, blocks: int = 8) -> nn.Sequential:
+    """A float64 MLP of ``2 * blocks`` layers, the same on every rank."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
+def batch(rows: int = 13, width: int = 6, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, width, generator=generator, dtype=torch.float64)
+    return x, y
+
+
+def reference_grads(x: Any, y: Any, model: nn.Sequential | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    model = model if model is not None else deep_mlp()
+    loss = nn.MSELoss()(model(x), y)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def grad_error(model: nn.Sequential, reference: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """Largest difference over this rank's gradients, and how many tensors were compared."""
+    worst, compared = 0.0, 0
+    for name, parameter in model.named_parameters():
+        if parameter.is_meta:
+            continue
+        if parameter.grad is None:
+            return float("inf"), compared
+        worst = max(worst, (parameter.grad - reference[name]).abs().max().item())
+        compared += 1
+    return worst, compared
+
+
+def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts: tuple[int, ...]) -> list[tuple[Any, ...]]:
+    """Every (schedule, mode, chunks): loss and local-gradient errors against the plain model."""
+    from pipeline import Pipe
+
+    x, y = batch()
+    reference_loss, reference = reference_grads(x, y)
+    rows = []
+    for schedule in schedules:
+        for mode in MODES:
+            for chunks in chunk_counts:
+                model = deep_mlp()
+                pipe = Pipe(model, chunks=chunks, schedule=schedule, checkpoint=mode,
+                            loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+                first = pipe.schedule.placement[0] == rank
+                last = pipe.schedule.placement[-1] == rank
+                loss = pipe.step(x if first else None, y if last else None)
+                error, compared = grad_error(model, reference)
+                rows.append((schedule, mode, chunks, abs(loss.item() - reference_loss), error,
+                             compared))
+    return rows
+
+
+def timeline_on_one_clock(rank: int, world: int) -> Any:
+    from pipeline import Pipe
+    from schedules import transfers
+
+    x, y = batch(rows=16)
+    pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    pipe.step(x, y)
+    pipe.step(x, y)
+    timeline = pipe.timeline
+    if rank != 0:
+        return timeline is None
+    orders_match = all(
+        timeline.stage_order(s) == pipe.schedule.order[s] for s in range(world)
+    )
+    ends = {(e.stage, e.action): e for e in timeline.events}
+    slack = min(
+        ends[(t.destination, t.consumer)].start - ends[(t.source, t.producer)].end
+        for t in transfers(pipe.schedule)
+    )
+    return orders_match, slack, len(timeline.events), timeline.bubble_fraction
+
+
+class RaiseAt(nn.Module):
+    """Raises on the given micro-batch count of forwards (a layer that fails mid-step)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("injected failure")
+        return x
+
+
+def failing_rank(rank: int, world: int, failing: int, abrupt: bool) -> Any:
+    """Rank ``failing`` raises (or dies abruptly) in its third forward; report what others see."""
+    from pipeline import Pipe
+
+    x, y = batch(rows=16)
+    model = deep_mlp(blocks=world)
+    layers = list(model)
+    position = 2 * failing + 1  # inside the failing rank's share under a uniform balance
+    layers.insert(position, RaiseAt(after=2) if not abrupt else _Exit(after=2, rank=failing))
+    layers.pop(position + 1)  # keep the layer count a multiple of the world size
+    pipe = Pipe(nn.Sequential(*layers), chunks=8, schedule="1f1b", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD, timeout=4.0)
+    started = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    except Exception as error:
+        return "raised", type(error).__name__, str(error), time.monotonic() - started
+    return "finished", "", "", time.monotonic() - started
+
+
+class _Exit(nn.Module):
+    def __init__(self, after: int, rank: int) -> None:
+        super().__init__()
+        self.after, self.rank, self.calls = after, rank, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > self.after:
+            os._exit(3)
+        return x
+
+
+def disagreement(rank: int, world: int) -> Any:
+    from pipeline import Pipe
+
+    balance = [4, 12] if rank == 1 else [8, 8]
+    try:
+        Pipe(deep_mlp(), chunks=4, balance=balance, loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "constructed"
+
+
+def wrong_stage_count(rank: int, world: int) -> Any:
+    from pipeline import Pipe
+    from schedules import one_f_one_b
+
+    messages = []
+    for arguments in ({"balance": [4, 4, 4, 4]}, {"schedule": one_f_one_b(3, 4)}):
+        try:
+            Pipe(deep_mlp(), chunks=4, loss_fn=nn.MSELoss(), group=dist.group.WORLD, **arguments)
+            messages.append("constructed")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def state_and_inference(rank: int, world: int, path: str) -> Any:
+    """Gather the trained pipe's state on rank 0, save it, and compare plain vs pipelined outputs."""
+    from pipeline import Pipe, gather_state_dict, save_state_dict
+
+    x, y = batch()
+    model = deep_mlp()
+    model.insert(3, nn.Dropout(0.5))  # inference must respect eval()
+    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    pipe.step(x, y)
+    with torch.no_grad():
+        for parameter in pipe.parameters():
+            parameter.sub_(0.1 * parameter.grad)
+    local_keys = sorted(pipe.state_dict())
+    state = gather_state_dict(pipe)
+    if rank == 0:
+        save_state_dict(state, path)
+    pipe.eval()
+    output = pipe(x)
+    pipe.train()
+    training_output = pipe(x)
+    dist.barrier()
+    if rank != world - 1:
+        return local_keys, output is None
+    plain = deep_mlp()
+    plain.insert(3, nn.Dropout(0.5))
+    plain.load_state_dict(torch.load(path))
+    plain.eval()
+    with torch.no_grad():
+        expected = plain(x)
+    return (local_keys, (output - expected).abs().max().item(),
+            (training_output - expected).abs().max().item())
+
+
+def clipping(rank: int, world: int, max_norm: float) -> Any:
+    from pipeline import Pipe
+
+    x, y = batch()
+    model = deep_mlp()
+    pipe = Pipe(model, chunks=4, loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    pipe.step(x, y)
+    norm = pipe.clip_grad_norm_(max_norm)
+    plain = deep_mlp()
+    nn.MSELoss()(plain(x), y).backward()
+    expected_norm = nn.utils.clip_grad_norm_(plain.parameters(), max_norm)
+    reference = {name: p.grad for name, p in plain.named_parameters()}
+    error, compared = grad_error(model, reference)
+    return abs(norm.item() - expected_norm.item()), error, compared
+
+
+def data_parallel(rank: int, world: int) -> Any:
+    """2 stages x 2 replicas: gradients equal the plain model's on the union of the batches."""
+    from pipeline import Pipe, make_groups
+
+    pipeline_group, data_group = make_groups(pipeline_size=2, data_parallel_size=2)
+    replica = rank // 2
+    x, y = batch(rows=12, seed=10 + replica)
+    model = deep_mlp()
+    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), group=pipeline_group, data_group=data_group)
+    loss = pipe.step(x, y)
+    union_x = torch.cat([batch(rows=12, seed=10 + r)[0] for r in range(2)])
+    union_y = torch.cat([batch(rows=12, seed=10 + r)[1] for r in range(2)])
+    reference_loss, reference = reference_grads(union_x, union_y)
+    error, compared = grad_error(model, reference)
+    return abs(loss.item() - reference_loss), error, compared
+
+
+class SequenceModel(nn.Module):
+    """Mixes along the sequence (a mean over it) so a wrong shape cannot go unnoticed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean(dim=1, keepdim=True)
+
+
+def sequence_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Linear(4, 4), SequenceModel(), nn.Tanh(), nn.Linear(4, 4), SequenceModel(), nn.Linear(4, 4)
+    ).double()
+
+
+def variable_lengths(rank: int, world: int) -> Any:
+    """Pre-split micro-batches of different sequence lengths, within a step and across steps."""
+    from pipeline import Pipe
+
+    generator = torch.Generator().manual_seed(5)
+
+    def micro(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(rows, length, 4, generator=generator, dtype=torch.float64),
+                torch.randn(rows, length, 4, generator=generator, dtype=torch.float64))
+
+    steps = [
+        [micro(3, 5), micro(3, 7), micro(2, 6)],
+        [micro(3, 5), micro(3, 7), micro(2, 6)],  # same shapes: buffers are reused
+        [micro(4, 9), micro(2, 3), micro(2, 9)],
+    ]
+    model = sequence_model()
+    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), group=dist.group.WORLD, schedule="1f1b")
+    allocations = []
+    losses = []
+    for step in steps:
+        xs, ys = [m[0] for m in step], [m[1] for m in step]
+        losses.append(pipe.step(xs, ys).item())
+        allocations.append(pipe._runner.transport.pool.allocations)
+    outputs = pipe([m[0] for m in steps[2]])
+    plain = sequence_model()
+    expected_losses = []
+    for step in steps:
+        total = sum(m[0].shape[0] for m in step)
+        loss = sum(nn.MSELoss()(plain(m[0]), m[1]) * (m[0].shape[0] / total) for m in step)
+        loss.backward()
+        expected_losses.append(loss.item())
+    reference = {name: p.grad for name, p in plain.named_parameters()}
+    error, compared = grad_error(model, reference)
+    output_error = None
+    if outputs is not None:
+        with torch.no_grad():
+            output_error = max((o - plain(m[0])).abs().max().item() for o, m in zip(outputs, steps[2]))
+    loss_error = max(abs(a - b) for a, b in zip(losses, expected_losses))
+    return loss_error, error, compared, allocations, output_error
+
+
+def meta_init(rank: int, world: int) -> Any:
+    """A model built on the meta device: only this rank's layers are materialised."""
+    from pipeline import Pipe
+
+    def init(layer: nn.Module) -> None:
+        for name, parameter in layer.named_parameters():
+            with torch.no_grad():
+                parameter.copy_(torch.linspace(-0.5, 0.5, parameter.numel(), dtype=parameter.dtype)
+                                .reshape(parameter.shape))
+
+    with torch.device("meta"):
+        model = deep_mlp()
+    pipe = Pipe(model, chunks=2, loss_fn=nn.MSELoss(), group=dist.group.WORLD, init_fn=init)
+    x, y = batch()
+    pipe.step(x, y)
+    materialised = sorted({name.split(".")[0] for name, p in model.named_parameters() if not p.is_meta})
+    plain = deep_mlp()
+    for layer in plain:
+        init(layer)
+    _, reference = reference_grads(x, y, plain)
+    error, compared = grad_error(model, reference)
+    return materialised, error, compared

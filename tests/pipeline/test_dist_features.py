@@ -1,0 +1,116 @@
+"""Multi-process Pipe beyond equivalence: failures, agreement, state, inference, clipping, DP."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from dist_harness import run_ranks, run_ranks_raw
+from dist_workers import (
+    clipping,
+    data_parallel,
+    disagreement,
+    failing_rank,
+    meta_init,
+    state_and_inference,
+    variable_lengths,
+    wrong_stage_count,
+)
+
+TOLERANCE = 1e-10
+
+
+def test_a_rank_that_raises_fails_every_rank_quickly_naming_it() -> None:
+    results = run_ranks_raw(failing_rank, 3, 1, False, timeout=60)
+    for rank in range(3):
+        status, value = results[rank]
+        assert status == "ok", value
+        outcome, kind, message, seconds = value
+        assert outcome == "raised", f"rank {rank} finished a step in which rank 1 failed"
+        assert seconds < 4.0, f"rank {rank} took {seconds:.1f}s: it waited for the timeout"
+        if rank == 1:
+            assert kind == "StageError" and "injected failure" in message
+            assert "stage 1, layer 3 (RaiseAt), micro-batch" in message
+        else:
+            assert kind == "PeerError" and "rank 1 failed" in message
+            assert "injected failure" in message
+
+
+def test_a_dead_peer_is_an_error_within_the_timeout() -> None:
+    results = run_ranks_raw(failing_rank, 2, 1, True, timeout=60)
+    status, value = results[0]
+    assert status == "ok", value
+    outcome, kind, message, seconds = value
+    assert outcome == "raised" and kind == "PeerError"
+    assert "rank 1" in message
+    assert seconds < 4.0 + 3.0
+    assert results[1][0] == "error"  # it died without a word
+
+
+def test_ranks_that_disagree_all_fail_naming_the_odd_one() -> None:
+    messages = run_ranks(disagreement, 3)
+    for message in messages:
+        assert "rank 1 has balance=[4, 12]" in message
+        assert "[8, 8]" in message
+
+
+def test_stage_count_must_be_the_group_size() -> None:
+    for messages in run_ranks(wrong_stage_count, 2):
+        assert "expected 2, got 4" in messages[0]
+        assert "schedule.stages=3" in messages[1] and "the group's size=2" in messages[1]
+
+
+def test_gathered_state_loads_into_the_plain_model(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    results = run_ranks(state_and_inference, 2, str(path))
+    keys_0, no_output_on_first = results[0]
+    keys_1, eval_error, training_error = results[1]
+    assert no_output_on_first
+    assert keys_0 and keys_1 and not set(keys_0) & set(keys_1)
+    assert all(key.split(".")[0].isdigit() for key in keys_0 + keys_1)
+    assert eval_error < TOLERANCE, "pipe(x) in eval mode must equal the plain model's output"
+    assert training_error > 1e-3, "in training mode dropout is active, so outputs differ"
+    assert sorted(torch.load(path)) == sorted(keys_0 + keys_1)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"], "no temporary left behind"
+
+
+def test_clip_grad_norm_matches_the_plain_model() -> None:
+    for world in (2, 4):
+        for norm_error, grad_error, compared in run_ranks(clipping, world, 0.05):
+            assert norm_error < TOLERANCE
+            assert grad_error < TOLERANCE and compared > 0
+
+
+def test_two_stages_by_two_replicas_average_gradients() -> None:
+    for loss_error, grad_error, compared in run_ranks(data_parallel, 4):
+        assert loss_error < TOLERANCE
+        assert grad_error < TOLERANCE and compared > 0
+
+
+def test_variable_sequence_lengths_train_exactly_and_reuse_buffers() -> None:
+    results = run_ranks(variable_lengths, 2)
+    for loss_error, grad_error, compared, allocations, output_error in results:
+        assert loss_error < TOLERANCE and grad_error < TOLERANCE and compared > 0
+        assert allocations[1] == allocations[0], "same shapes again: no new receive buffers"
+    assert results[1][4] is not None and results[1][4] < TOLERANCE
+
+
+def test_meta_model_materialises_only_local_layers() -> None:
+    results = run_ranks(meta_init, 2)
+    assert results[0][0] == ["0", "2", "4", "6"]
+    assert results[1][0] == ["10", "12", "14", "8"]
+    for _, grad_error, compared in results:
+        assert grad_error < TOLERANCE and compared == 8
+
+
+def test_no_process_outlives_a_failed_step() -> None:
+    before = set(os.listdir("/proc"))
+    run_ranks_raw(failing_rank, 2, 1, False, timeout=60)
+    leftover = [
+        pid for pid in set(os.listdir("/proc")) - before
+        if pid.isdigit() and Path(f"/proc/{pid}/cmdline").exists()
+        and b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert not leftover
