@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partitioners import uniform
 from schedules import Schedule, get_schedule
 
 # Chunks per stage that a schedule name implies when none is given.
@@ -60,14 +61,13 @@ def chunks_per_stage(schedule: str | Schedule, options: dict[str, Any]) -> int:
 
 
 def uniform_balance(layers: int, parts: int) -> list[int]:
-    """Layers per part, as even as possible, earlier parts taking the remainder."""
+    """Layers per part, as even as possible (``partitioners.uniform``), with a Pipe's wording."""
     if parts > layers:
         raise ValueError(
             f"cannot cut {layers} layers into {parts} model chunks: expected at most "
             f"{layers} chunks (one layer each at least)"
         )
-    base, extra = divmod(layers, parts)
-    return [base + (1 if part < extra else 0) for part in range(parts)]
+    return uniform(layers, parts)
 
 
 def check_balance(balance: Sequence[int], layers: int, parts: int) -> list[int]:
