@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 Key = tuple[int, int]  # (microbatch, chunk)
+View = tuple[Key, int, int, tuple[int, ...], tuple[int, ...]]  # key, storage, offset, shape, stride
 
 
 @dataclass(frozen=True)
@@ -32,16 +33,19 @@ class MemoryReport:
 class ActivationTracker:
     """Counts the bytes autograd saves for each (micro-batch, chunk) while they stay alive.
 
-    Tensors are tracked by identity and released by a weakref finalizer when the
-    last reference goes, so the figures follow real lifetimes, not bookkeeping.
-    Parameters (saved by layers such as Linear) are excluded: they live anyway.
+    A tensor is counted once per view of its storage and key, however many saved
+    aliases of it there are (an output saved by its own op and by the next one), and
+    released by weakref finalizers when the last alias goes, so the figures follow
+    real lifetimes, not bookkeeping. Parameters and views of them (Linear saves
+    ``weight.t()``) are excluded: they live anyway.
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], chunk_share: float) -> None:
-        self._parameters = {id(p) for p in parameters}
+        self._parameters = list(parameters)
+        self._parameter_storages: set[int] = set()
         self._share = chunk_share
         self._lock = threading.Lock()
-        self._tracked: dict[int, tuple[Key, int]] = {}
+        self._tracked: dict[View, list[int]] = {}  # view -> [bytes, aliases alive]
         self._live_bytes: dict[Key, int] = {}
         self._bytes = 0
         self._peak_bytes = 0
@@ -53,27 +57,40 @@ class ActivationTracker:
 
     def reset_peaks(self) -> None:
         with self._lock:
+            # Read once a step: moving a model to its device gives parameters new storage.
+            self._parameter_storages = {_storage(p) for p in self._parameters}
             self._peak_bytes = self._bytes
             self._peak_held = len(self._live_bytes) * self._share
 
     def track(self, key: Key, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` against ``key`` until it is freed."""
-        if id(tensor) in self._parameters or id(tensor) in self._tracked:
+        """Count ``tensor`` against ``key`` until it (and every alias tracked with it) is freed."""
+        storage = _storage(tensor)
+        if storage in self._parameter_storages:
             return
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return
+        view = (key, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
         with self._lock:
-            self._tracked[id(tensor)] = (key, nbytes)
-            self._live_bytes[key] = self._live_bytes.get(key, 0) + nbytes
-            self._bytes += nbytes
-            self._peak_bytes = max(self._peak_bytes, self._bytes)
-            self._peak_held = max(self._peak_held, len(self._live_bytes) * self._share)
-        weakref.finalize(tensor, self._release, id(tensor))
+            entry = self._tracked.get(view)
+            if entry is not None:
+                entry[1] += 1
+            else:
+                self._tracked[view] = [nbytes, 1]
+                self._live_bytes[key] = self._live_bytes.get(key, 0) + nbytes
+                self._bytes += nbytes
+                self._peak_bytes = max(self._peak_bytes, self._bytes)
+                self._peak_held = max(self._peak_held, len(self._live_bytes) * self._share)
+        weakref.finalize(tensor, self._release, view)
 
-    def _release(self, tensor_id: int) -> None:
+    def _release(self, view: View) -> None:
         with self._lock:
-            key, nbytes = self._tracked.pop(tensor_id)
+            entry = self._tracked[view]
+            entry[1] -= 1
+            if entry[1]:
+                return
+            del self._tracked[view]
+            key, nbytes = view[0], entry[0]
             remaining = self._live_bytes[key] - nbytes
             if remaining:
                 self._live_bytes[key] = remaining
@@ -86,8 +103,17 @@ class ActivationTracker:
         """Within the body, every tensor autograd saves counts against ``key``."""
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            self.track(key, tensor)
-            return tensor
+            # A detached alias, never ``tensor`` itself: a saved output would hold its own
+            # grad_fn, a cycle through C++ that no garbage collector frees, so with
+            # retain_graph=True (split backward) activations leaked for good
+            # (pytorch/pytorch#115255). Autograd restores the grad_fn on unpack.
+            packed = tensor.detach()
+            self.track(key, packed)
+            return packed
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()

@@ -263,6 +263,12 @@ class Pipe:
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
+        if self._group is None and (x is None) != (target is None):
+            missing = "x" if x is None else "target"
+            raise ValueError(
+                f"step() needs x and target in one process (only ranks of a group may leave "
+                f"one out), got {missing}=None"
+            )
         inputs = split(x, self.chunks) if x is not None else None
         targets = split(target, self.chunks) if target is not None else None
         known = inputs if inputs is not None else targets
@@ -287,6 +293,8 @@ class Pipe:
         In one process, with grad enabled, the output stays differentiable, so
         ``loss_fn(pipe(x), y).backward()`` also trains.
         """
+        if x is None and self._group is None:
+            raise ValueError("pipe(x) needs an input batch in one process, got None")
         inputs = split(x, self.chunks) if x is not None else None
         self._ensure_runner(x)
         outputs = self._runner.run_forward(inputs)
