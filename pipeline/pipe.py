@@ -142,6 +142,7 @@ class Pipe:
             candidates["len(balance)"] = len(balance) // per_stage
         if not candidates:
             if torch.cuda.is_available():
+                self._stage_source = "one stage per CUDA device"
                 return torch.cuda.device_count()
             raise ValueError(
                 "cannot tell how many stages to use: pass balance=[...], devices=[...], "
@@ -151,6 +152,8 @@ class Pipe:
         if len(values) > 1:
             said = ", ".join(f"{k}={v}" for k, v in candidates.items())
             raise ValueError(f"the stage count must agree everywhere, got {said}")
+        source, count = next(iter(candidates.items()))
+        self._stage_source = f"{count} stages from {source} x {per_stage} chunks per stage"
         return values.pop()
 
     @staticmethod
@@ -179,10 +182,13 @@ class Pipe:
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
         def resolve() -> list[int] | None:
-            return resolve_balance(
-                self._balance_request, self.model, self._schedule.chunks, sample,
-                self._schedule.name, self.chunks,
-            )
+            try:
+                return resolve_balance(
+                    self._balance_request, self.model, self._schedule.chunks, sample,
+                    self._schedule.name, self.chunks,
+                )
+            except ValueError as error:
+                raise ValueError(f"{error} ({self._stage_source})") from None
 
         if self._group is None or not isinstance(self._balance_request, str):
             return resolve()
