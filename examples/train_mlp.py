@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline import Pipe
-from schedules import Op, Timeline, simulate
+from schedules import Timeline, simulate_measured
 
 
 def build_model(width: int, depth: int) -> nn.Sequential:
@@ -43,23 +43,6 @@ def teacher_batch(rows: int, width: int, step: int) -> tuple[torch.Tensor, torch
     direction = torch.linspace(-1.0, 1.0, width)
     y = torch.sin(x @ direction / width**0.5).unsqueeze(1)
     return x, y
-
-
-def predicted_from_measured(pipe: Pipe, measured: Timeline) -> Timeline:
-    """Simulate the schedule with each stage's mean measured cost per op."""
-    schedule = pipe.schedule
-    per_stage: dict[Op, list[float]] = {op: [] for op in Op}
-    for stage in range(schedule.stages):
-        events = measured.stage_events(stage)
-        chunks_here = len(schedule.chunks_of_stage[stage])
-        for op in Op:
-            durations = [e.duration for e in events if e.action.op is op]
-            mean = sum(durations) / len(durations) if durations else 0.0
-            per_stage[op].append(mean * chunks_here)  # simulate takes whole-stage costs
-    split = any(per_stage[Op.I])
-    backward = per_stage[Op.I] if split else per_stage[Op.B]
-    return simulate(schedule, forward=per_stage[Op.F], backward=backward,
-                    weight=per_stage[Op.W] if split else None)
 
 
 def plot_side_by_side(measured: Timeline, predicted: Timeline, path: str) -> None:
@@ -119,7 +102,7 @@ def main() -> None:
     if rank == 0:
         measured = pipe.timeline
         assert measured is not None
-        predicted = predicted_from_measured(pipe, measured)
+        predicted = simulate_measured(pipe.schedule, measured)
         print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
         print(f"last step: measured {measured.makespan * 1e3:.1f} ms, bubble "
               f"{measured.bubble_fraction:.1%}; predicted {predicted.makespan * 1e3:.1f} ms, "

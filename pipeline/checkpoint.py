@@ -50,8 +50,14 @@ def recomputes(mode: CheckpointMode, microbatch: int, microbatches: int) -> bool
 
 
 def is_stochastic(module: nn.Module) -> bool:
-    """Whether a module (or a submodule) draws random numbers in training mode."""
-    return any(isinstance(m, _STOCHASTIC) and m.training for m in module.modules())
+    """Whether a module (or a submodule) draws random numbers in training mode.
+
+    ``Dropout(p=0)`` (as in many ``TransformerEncoderLayer``s) draws none.
+    """
+    return any(
+        isinstance(m, _STOCHASTIC) and m.training and getattr(m, "p", 1.0) > 0
+        for m in module.modules()
+    )
 
 
 def step_seed() -> int:

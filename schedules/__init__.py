@@ -7,7 +7,7 @@ from schedules.interleaved import interleaved_1f1b
 from schedules.onefoneb import one_f_one_b
 from schedules.plot import plot_timeline
 from schedules.registry import get_schedule, schedule_names
-from schedules.simulate import simulate
+from schedules.simulate import simulate, simulate_measured
 from schedules.timeline import Event, Timeline
 from schedules.validate import validate
 from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
@@ -30,6 +30,7 @@ __all__ = [
     "replay",
     "schedule_names",
     "simulate",
+    "simulate_measured",
     "stage_of",
     "transfers",
     "validate",

@@ -127,3 +127,32 @@ def _makespan_bound(
         min(arrival[c] for c in schedule.chunks_of_stage[stage]) + busy[stage]
         for stage in range(schedule.stages)
     )
+
+
+def simulate_measured(schedule: Schedule, measured: Timeline, comm: float = 0.0) -> Timeline:
+    """Predict ``schedule`` with each stage's mean measured duration per op.
+
+    The figure to set beside a measured timeline: same schedule, same per-action
+    costs, no communication (unless ``comm``) and no variation around the means.
+
+    Args:
+        schedule: the schedule that was run.
+        measured: its measured Timeline (``Pipe.timeline``).
+        comm: delay to add to every cross-stage dependency, in the timeline's unit.
+    """
+    costs: dict[Op, list[float]] = {op: [] for op in Op}
+    for stage in range(schedule.stages):
+        events = measured.stage_events(stage)
+        chunks_here = len(schedule.chunks_of_stage[stage])
+        for op in Op:
+            durations = [event.duration for event in events if event.action.op is op]
+            mean = sum(durations) / len(durations) if durations else 0.0
+            costs[op].append(mean * chunks_here)  # simulate takes whole-stage costs
+    split = any(costs[Op.I])
+    return simulate(
+        schedule,
+        forward=costs[Op.F],
+        backward=costs[Op.I] if split else costs[Op.B],
+        weight=costs[Op.W] if split else None,
+        comm=comm,
+    )

@@ -200,3 +200,14 @@ def test_deadlocked_schedule_raises_schedule_error():
 def test_incomplete_schedule_raises_schedule_error():
     with pytest.raises(ScheduleError, match="B0@c1 is missing from stage 1"):
         simulate(Schedule(2, 1, [[A("F0"), A("B0")], [A("F0@c1")]]))
+
+
+def test_simulate_measured_reproduces_a_timeline_from_its_own_costs() -> None:
+    from schedules import get_schedule, simulate_measured
+
+    for name in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v"):
+        schedule = get_schedule(name, 4, 8)
+        costs = simulate(schedule, forward=[1, 2, 1, 1], backward=[2, 3, 2, 2], weight=[1, 1, 2, 1])
+        again = simulate_measured(schedule, costs)
+        assert again.makespan == pytest.approx(costs.makespan, rel=1e-12), name
+        assert again.bubble_fraction == pytest.approx(costs.bubble_fraction, rel=1e-12), name
