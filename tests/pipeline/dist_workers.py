@@ -309,3 +309,25 @@ def meta_init(rank: int, world: int) -> Any:
     _, reference = reference_grads(x, y, plain)
     error, compared = grad_error(model, reference)
     return materialised, error, compared
+
+
+def repeated_steps(rank: int, world: int, schedules: tuple[str, ...]) -> list[tuple[str, float]]:
+    """Several steps of same-shaped micro-batches (the transport's predicted path), then a
+    differently shaped batch (the reshaped path) and back: every step's gradients exact."""
+    from pipeline import Pipe
+
+    results = []
+    batches = [batch(), batch(), batch(), batch(rows=10, seed=2), batch(), batch()]
+    for schedule in schedules:
+        model = deep_mlp()
+        pipe = Pipe(model, chunks=4, schedule=schedule, checkpoint="never",
+                    loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+        worst = 0.0
+        for x, y in batches:
+            pipe.zero_grad()
+            pipe.step(x, y)
+            _, reference = reference_grads(x, y)
+            error, compared = grad_error(model, reference)
+            worst = max(worst, error if compared else float("inf"))
+        results.append((schedule, worst))
+    return results
