@@ -57,3 +57,13 @@ def test_the_cli_flags_shown_exist() -> None:
     ).stdout
     unknown = sorted(flag for flag in shown if flag not in help_text)
     assert not unknown, f"docs/api.md shows pipe-balance flags it does not have: {unknown}"
+
+
+def test_the_readme_quickstart_runs_and_its_images_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    first_block = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    namespace: dict[str, Any] = {}
+    exec(compile(first_block, "README.md", "exec"), namespace)
+    assert 0.0 <= namespace["pipe"].timeline.bubble_fraction < 1.0
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
+        assert (ROOT / image).is_file(), image
