@@ -19,6 +19,7 @@ from pipeline.checkpoint import CheckpointMode, step_seed
 from pipeline.dist_transport import DistTransport, PeerError
 from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
+from pipeline.microbatch import to_device
 from pipeline.partition import build_chunks
 from pipeline.stage import ChunkSpec, ModelChunk
 
@@ -190,8 +191,8 @@ class DistRunner:
             chunk.begin_step(seed, schedule.microbatches, bool(schedule.split_backward))
         self.tracker.reset_peaks()
         step_inputs = StepInputs(
-            inputs=None if inputs is None else [_to(x, self.device) for x in inputs],
-            targets=None if targets is None else [_to(t, self.device) for t in targets],
+            inputs=None if inputs is None else [to_device(x, self.device) for x in inputs],
+            targets=None if targets is None else [to_device(t, self.device) for t in targets],
             weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
         )
         dist.barrier(group=self.group)
@@ -255,7 +256,7 @@ class DistRunner:
         seed = step_seed()
         for chunk in self.chunks.values():
             chunk.begin_step(seed, schedule.microbatches, False)
-        inputs = None if inputs is None else [_to(x, self.device) for x in inputs]
+        inputs = None if inputs is None else [to_device(x, self.device) for x in inputs]
         receives = [
             (key, source) for key, source in self.receive_order if key[0].value == "F"
         ]
@@ -287,11 +288,3 @@ class DistRunner:
         for grad in grads:
             grad.mul_(coefficient.to(grad.dtype))
         return total
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value

@@ -16,6 +16,7 @@ from schedules import Schedule, Timeline
 from pipeline.checkpoint import CheckpointMode, step_seed
 from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
+from pipeline.microbatch import to_device
 from pipeline.partition import build_chunks
 from pipeline.stage import ChunkSpec, ModelChunk
 from pipeline.transport import LocalTransport, PipelineAborted
@@ -109,8 +110,8 @@ class LocalRunner:
         first_device = self.devices[schedule.placement[0]]
         last_device = self.devices[schedule.placement[-1]]
         step_inputs = StepInputs(
-            inputs=[_to(x, first_device) for x in inputs],
-            targets=[_to(t, last_device) for t in targets],
+            inputs=[to_device(x, first_device) for x in inputs],
+            targets=[to_device(t, last_device) for t in targets],
             weights=weights,
         )
         origin = time.perf_counter()
@@ -145,7 +146,7 @@ class LocalRunner:
         for chunk in self.chunks.values():
             chunk.begin_step(seed, schedule.microbatches, False)
         first_device = self.devices[schedule.placement[0]]
-        inputs = [_to(x, first_device) for x in inputs]
+        inputs = [to_device(x, first_device) for x in inputs]
 
         def work(stage: int, endpoint: Any) -> Any:
             return run_forward_stage(schedule, self.plans[stage], self._stage_chunks(stage),
@@ -154,14 +155,6 @@ class LocalRunner:
         results = self._run_threads(work, grad=torch.is_grad_enabled())
         outputs = {m: out for r in results for m, out in r.items()}
         return [outputs[m] for m in range(schedule.microbatches)]
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
-    return value
 
 
 def _chunk_params(model: nn.Sequential, balance: Sequence[int], chunk: int) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -72,3 +72,12 @@ def as_tuple(value: Tensors) -> tuple[torch.Tensor, ...]:
 def from_tuple(values: tuple[torch.Tensor, ...], like_tuple: bool) -> Tensors:
     """Undo ``as_tuple``: a 1-tuple back to its tensor unless the original was a tuple."""
     return values if like_tuple else values[0]
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """A tensor, or a tuple of them, on ``device``; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(to_device(v, device) for v in value)
+    return value

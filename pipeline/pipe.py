@@ -12,7 +12,7 @@ from schedules import Schedule, Timeline
 
 from pipeline.checkpoint import CheckpointMode, check_mode
 from pipeline.memory import MemoryReport
-from pipeline.microbatch import Tensors, batch_size, merge, split
+from pipeline.microbatch import batch_size, merge, split
 from pipeline.partition import (
     build_schedule,
     check_model,
