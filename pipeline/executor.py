@@ -113,72 +113,95 @@ def run_stage(
     transport: Transport,
     step_inputs: StepInputs,
     clock: Clock = time.perf_counter,
-    before_action: Callable[[Action], None] | None = None,
 ) -> StageResult:
     """Execute ``plan.actions`` in order; results cross stages through ``transport``.
 
     An action's event spans its compute only: waiting for an input counts as idle.
+
+    Raises:
+        ValueError: this stage runs the first chunk without ``x``, or the last without targets.
     """
-    result = StageResult()
-    local: dict[ActionKey, Payload] = {}
-    last_chunk = schedule.chunks - 1
-
-    def fetch(key: ActionKey) -> Payload:
-        if key in local:
-            return local.pop(key)
-        return transport.receive(key, plan.sources[key])
-
+    owned = {action.chunk for action in plan.actions}
+    if 0 in owned and step_inputs.inputs is None:
+        raise ValueError(f"stage {plan.stage} runs the first chunk and needs the input x")
+    if schedule.chunks - 1 in owned and step_inputs.targets is None:
+        raise ValueError(f"stage {plan.stage} runs the last chunk and needs the target")
+    run = _StageRun(schedule, plan, chunks, transport, step_inputs)
     for action in plan.actions:
-        if before_action is not None:
-            before_action(action)
-        op, microbatch, chunk_index = action.op, action.microbatch, action.chunk
-        chunk = chunks[chunk_index]
-        key = _key(action)
-        produced: Payload = None
-        if op is Op.F:
-            if chunk_index == 0:
-                if step_inputs.inputs is None:
-                    raise ValueError(f"stage {plan.stage} runs the first chunk and needs the input x")
-                inputs = step_inputs.inputs[microbatch]
-            else:
-                inputs = fetch((Op.F, microbatch, chunk_index - 1))
-            target = None
-            if chunk_index == last_chunk:
-                if step_inputs.targets is None:
-                    raise ValueError(
-                        f"stage {plan.stage} runs the last chunk and needs the target"
-                    )
-                target = step_inputs.targets[microbatch]
+        if action.op is Op.F:
+            inputs, target = run.forward_inputs(action)
             start = clock()
-            produced = chunk.forward(microbatch, inputs, target, step_inputs.weights[microbatch])
-            end = clock()
-            if chunk_index == last_chunk:
-                result.losses[microbatch] = produced
-                produced = None
-        elif op is Op.W:
+            produced = run.forward(action, inputs, target)
+        elif action.op is Op.W:
             start = clock()
-            chunk.backward_weight(microbatch)
-            end = clock()
+            produced = chunks[action.chunk].backward_weight(action.microbatch)
         else:
-            grads = None
-            if chunk_index < last_chunk:
-                later = schedule.backward_op(microbatch, chunk_index + 1)
-                grads = fetch((later, microbatch, chunk_index + 1))
+            grads = run.output_grads(action)
             start = clock()
-            if op is Op.B:
-                produced = chunk.backward(microbatch, grads)
-            else:
-                produced = chunk.backward_input(microbatch, grads)
-            end = clock()
-            if chunk_index == 0:
-                produced = None
-        result.events.append(Event(plan.stage, action, start, end))
+            produced = run.backward(action, grads)
+        run.result.events.append(Event(plan.stage, action, start, clock()))
         if produced is not None:
-            for destination in plan.destinations.get(key, ()):
-                transport.send(key, destination, produced)
-            if key in plan.kept:
-                local[key] = produced
-    return result
+            run.deliver(action, produced)
+    return run.result
+
+
+@dataclass
+class _StageRun:
+    """One stage's state during a step: results kept for its own later chunks, losses, events."""
+
+    schedule: Schedule
+    plan: StagePlan
+    chunks: dict[int, ModelChunk]
+    transport: Transport
+    step_inputs: StepInputs
+    result: StageResult = field(default_factory=StageResult)
+    kept: dict[ActionKey, Payload] = field(default_factory=dict)
+
+    def fetch(self, key: ActionKey) -> Payload:
+        if key in self.kept:
+            return self.kept.pop(key)
+        return self.transport.receive(key, self.plan.sources[key])
+
+    def deliver(self, action: Action, produced: Payload) -> None:
+        key = _key(action)
+        for destination in self.plan.destinations.get(key, ()):
+            self.transport.send(key, destination, produced)
+        if key in self.plan.kept:
+            self.kept[key] = produced
+
+    def forward_inputs(self, action: Action) -> tuple[Payload, Any]:
+        microbatch, chunk = action.microbatch, action.chunk
+        if chunk == 0:
+            inputs = self.step_inputs.inputs[microbatch]  # type: ignore[index]
+        else:
+            inputs = self.fetch((Op.F, microbatch, chunk - 1))
+        is_last = chunk == self.schedule.chunks - 1
+        target = self.step_inputs.targets[microbatch] if is_last else None  # type: ignore[index]
+        return inputs, target
+
+    def forward(self, action: Action, inputs: Payload, target: Any) -> Payload:
+        microbatch = action.microbatch
+        weight = self.step_inputs.weights[microbatch]
+        produced = self.chunks[action.chunk].forward(microbatch, inputs, target, weight)
+        if action.chunk == self.schedule.chunks - 1:
+            self.result.losses[microbatch] = produced
+            return None
+        return produced
+
+    def output_grads(self, action: Action) -> Payload:
+        microbatch, chunk = action.microbatch, action.chunk
+        if chunk == self.schedule.chunks - 1:
+            return None  # the loss is the root
+        later = self.schedule.backward_op(microbatch, chunk + 1)
+        return self.fetch((later, microbatch, chunk + 1))
+
+    def backward(self, action: Action, grads: Payload) -> Payload:
+        chunk = self.chunks[action.chunk]
+        if action.op is Op.B:
+            produced = chunk.backward(action.microbatch, grads)
+        else:
+            produced = chunk.backward_input(action.microbatch, grads)
+        return produced if action.chunk > 0 else None
 
 
 def forward_order(schedule: Schedule, stage: int) -> tuple[Action, ...]:
