@@ -1,85 +1,18 @@
-"""Launch a function on local gloo ranks for the benchmarks (one thread per rank)."""
+"""Launch benchmark ranks (through pipeline.launch) and watch other processes' load."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-# The spawned ranks import the benchmark module and the packages from the repository root.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any,
-           args: tuple[Any, ...]) -> None:
-    for path in (ROOT, os.path.join(ROOT, "benchmarks")):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    if os.environ.get("PIPESCHED_PIN") and hasattr(os, "sched_setaffinity"):
-        # Threads started from here on (gloo's) inherit this rank's core.
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
-        queue.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException as error:  # reported to the parent, which raises
-        queue.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
-    finally:
-        # Leave without atexit handlers, which could block on a group whose peer failed.
-        queue.close()
-        queue.join_thread()
-        os._exit(0)
-
+from pipeline import launch
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return each rank's result.
-
-    ``fn`` must be importable (a module-level function). Raises RuntimeError naming
-    every rank that failed or did not answer within ``timeout`` seconds.
-    """
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_entry, args=(fn, rank, world, port, queue, args), daemon=True)
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    results: dict[int, tuple[str, Any]] = {}
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
-            results[rank] = (status, value)
-    except Exception:  # a timeout: the missing ranks are reported below
-        pass
-    finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    missing = ("error", "no result (timed out or crashed)")
-    failures = [f"rank {rank}: {results.get(rank, missing)[1]}" for rank in range(world)
-                if results.get(rank, missing)[0] != "ok"]
-    if failures:
-        raise RuntimeError("\n".join(failures))
-    return [results[rank][1] for rank in range(world)]
+    """``pipeline.launch.run_ranks`` with one thread per rank, pinned when PIPESCHED_PIN is set."""
+    return launch.run_ranks(fn, world, *args, timeout=timeout,
+                            pin=bool(os.environ.get("PIPESCHED_PIN")))
 
 
 class LoadMonitor:

@@ -1,0 +1,113 @@
+"""Run a function on N local gloo processes: single-host experiments, tests and benchmarks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any,
+           args: tuple[Any, ...], threads: int, pin: bool) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)  # the ranks share this host's cores
+    os.environ["LOCAL_RANK"] = str(rank)
+    if pin and hasattr(os, "sched_setaffinity"):
+        # Threads started from here on (gloo's) inherit this rank's core.
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException as error:  # reported to the parent
+        results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+    finally:
+        # Flush the result, then leave without atexit handlers, which could block on a
+        # process group whose peer failed.
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def run_ranks_raw(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 300.0,
+    threads: int = 1,
+    pin: bool = False,
+) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks of this host.
+
+    Args:
+        fn: an importable (module-level) function; its return value must pickle.
+        world: number of processes.
+        timeout: seconds to wait for every rank's answer.
+        threads: intra-op threads per rank.
+        pin: pin rank r to core r (Linux).
+
+    Returns:
+        ``{rank: ("ok", result)}`` or ``{rank: ("error", text)}``; a rank that died
+        without a word, or did not answer in time, reports an error too. Every
+        process has ended when this returns.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, daemon=True,
+                        args=(fn, rank, world, port, results, args, threads, pin))
+        for rank in range(world)
+    ]
+    for process in processes:
+        process.start()
+    answers: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(answers) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+                answers[rank] = (status, value)
+            except queue_module.Empty:
+                silent = [rank for rank in range(world) if rank not in answers]
+                if all(not processes[rank].is_alive() for rank in silent):
+                    break  # the ones left died without a word
+    finally:
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    for rank in range(world):
+        answers.setdefault(rank, ("error", "no result (timed out or crashed)"))
+    return answers
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
+              threads: int = 1, pin: bool = False) -> list[Any]:
+    """Like ``run_ranks_raw``, but return the results in rank order.
+
+    Raises:
+        RuntimeError: naming every rank that failed, with its error.
+    """
+    answers = run_ranks_raw(fn, world, *args, timeout=timeout, threads=threads, pin=pin)
+    failures = [f"rank {rank}: {value}" for rank, (status, value) in sorted(answers.items())
+                if status != "ok"]
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [answers[rank][1] for rank in range(world)]
