@@ -1,29 +1,39 @@
 """DistTransport: results crossing ranks with torch.distributed point-to-point messages.
 
-Every message is a small int64 header (status, origin rank, and the dtype and
-shape of each tensor) followed by the tensors. Shapes may change from one
-micro-batch to the next (variable sequence lengths); receive buffers are pooled
-by dtype and shape and reused once nothing refers to them any more, so a steady
-state allocates nothing. Sends never block (``isend``, waited at the end of the
-step), and under gloo every header of the step is posted at its start, tagged by
-the producing action, so no pair of neighbours can deadlock whatever the order.
+A message is one flat byte buffer: a small int64 header (status, origin rank,
+and the dtype and shape of each tensor), then each tensor's bytes. One message
+per hop, whatever the number of tensors: every gloo call costs the sender, the
+receiver and both ranks' gloo threads time on cores the compute is using, so a
+hop that took a header message and a payload message cost twice. Shapes may
+change from one micro-batch to the next (variable sequence lengths); receive
+buffers are pooled by size and reused once nothing refers to them any more, so
+a steady state allocates nothing. Sends never block (``isend``), and a gloo send
+whose receive is not posted yet simply waits in gloo, so no order of sends and
+receives between two neighbours can deadlock.
 
-Why payloads are posted ahead, under gloo: a gloo send whose receive is not yet
+Why receives are posted ahead, under gloo: a gloo send whose receive is not yet
 posted only announces itself; the bytes leave when the sender's gloo thread
-hears that the receive is ready. Were the payload's receive posted only once its
-header arrived, every hop would wait for that thread to be scheduled on a core
-busy with the sender's next action: about a millisecond per hop, and in 1F1B
-every hop is on the critical path. So both ends remember, per message, the
-shapes it carried in the previous step; the receiver posts the payload's receive
-a few messages ahead with those shapes, and the sender, making the same
-prediction, knows it is posted. When the shapes differ the sender marks the
-header "reshaped" and first sends zeros of the predicted shapes, which fill the
-posted receives (gloo matches sends to receives in order), then the real
-tensors; a message whose shapes just changed is not predicted in the next step,
-so shapes that vary from step to step cost zeros once, then only the slower hop.
-A rank that fails sends a header with status "failed" (and the error's text) in
-place of each message it still owed, so its peers raise at once, naming it,
-instead of waiting; they pass the news on the same way.
+hears that the receive is ready. Were a receive posted only once its data was
+needed, every hop would wait for that thread to be scheduled on a core busy
+with the sender's next action: about a millisecond per hop, and in 1F1B every
+hop is on the critical path. But a receive needs its size, and the size comes
+with the message. So both ends remember, per message, the shapes it carried in
+the previous step; the receiver posts a few messages ahead with the predicted
+size, and the sender, making the same prediction, sends exactly that size:
+
+- shapes as predicted: the whole message, in one send;
+- shapes changed, or nothing predicted (the first step, or shapes that changed
+  in the step before): a message of the size the receiver expects (the predicted
+  size, or a bare header when nothing is predicted) carrying only the header,
+  with status "next", then the whole message under a second tag, which the
+  receiver posts once the header has told it the size.
+
+A message whose shapes just changed is not predicted in the next step, so shapes
+that vary from step to step cost one extra small message per hop, never a wrong
+read. A rank that fails sends, in place of each message it still owed, one of
+the size the peer expects with status "failed" and the error's text, so its
+peers raise at once, naming it, instead of waiting; they pass the news on the
+same way.
 """
 
 from __future__ import annotations
@@ -39,16 +49,21 @@ import torch.distributed as dist
 from schedules import Op
 from schedules.dependencies import ActionKey
 
-HEADER_SLOTS = 4 + 8 * 10  # status, origin, is_tuple, count; then per tensor dtype, ndim, 8 dims
 MAX_TENSORS = 8
 MAX_DIMS = 8
-_OK, _FAILED, _RESHAPED = 0, 1, 2
-PAYLOAD_LOOKAHEAD = 4  # payload receives posted ahead of use, under gloo
+HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, is_tuple, count; per tensor
+HEADER_BYTES = HEADER_SLOTS * 8
+ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
+_OK, _FAILED, _NEXT = 0, 1, 2
+PAYLOAD_LOOKAHEAD = 4  # receives posted ahead of use, under gloo
+FAILURE_GRACE = 0.5  # seconds a failing rank waits for its last messages to leave
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _OP_CODES = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
+
+Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
 class PeerError(RuntimeError):
@@ -59,37 +74,53 @@ class PeerError(RuntimeError):
         self.rank = rank
 
 
-def _tag(key: ActionKey, chunks: int, part: int) -> int:
+def _tag(key: ActionKey, chunks: int, second: bool) -> int:
     op, microbatch, chunk = key
-    return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * (MAX_TENSORS + 1) + part
+    return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * 2 + int(second)
 
 
-def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
-    """The header describing ``tensors``: their count, dtypes and shapes."""
-    if len(tensors) > MAX_TENSORS:
-        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(tensors)}")
-    values = [_OK, 0, int(is_tuple), len(tensors)]
-    for tensor in tensors:
-        if tensor.dim() > MAX_DIMS or tensor.dtype not in _DTYPES:
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def message_size(metas: Metas) -> int:
+    """Bytes of the message carrying tensors of these (dtype, shape)s, header included."""
+    return HEADER_BYTES + sum(_aligned(_nbytes(dtype, shape)) for dtype, shape in metas)
+
+
+def encode_header(metas: Metas, is_tuple: bool, status: int = _OK) -> torch.Tensor:
+    """The header describing tensors of these (dtype, shape)s."""
+    if len(metas) > MAX_TENSORS:
+        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
+    values = [status, 0, int(is_tuple), len(metas)]
+    for dtype, shape in metas:
+        if len(shape) > MAX_DIMS or dtype not in _DTYPES:
             raise ValueError(
                 f"tensors crossing stages need at most {MAX_DIMS} dims and a dtype in "
-                f"{_DTYPES}, got {tensor.dtype} of shape {tuple(tensor.shape)}"
+                f"{_DTYPES}, got {dtype} of shape {shape}"
             )
-        values += [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-        values += [0] * (MAX_DIMS - tensor.dim())
+        values += [_DTYPES.index(dtype), len(shape), *shape]
+        values += [0] * (MAX_DIMS - len(shape))
     values += [0] * (HEADER_SLOTS - len(values))
     return torch.tensor(values, dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, tuple[int, ...]]]]:
-    """``(is_tuple, [(dtype, shape), ...])`` from a header with status OK."""
+def decode_header(header: torch.Tensor) -> tuple[bool, Metas]:
+    """``(is_tuple, ((dtype, shape), ...))`` from a header with status OK or NEXT."""
     values = header.tolist()
     metas = []
     for index in range(values[3]):
-        base = 4 + index * 10
+        base = 4 + index * (2 + MAX_DIMS)
         ndim = values[base + 1]
         metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
-    return bool(values[2]), metas
+    return bool(values[2]), tuple(metas)
 
 
 def encode_failure(origin: int, reason: str) -> torch.Tensor:
@@ -111,23 +142,46 @@ def decode_failure(header: torch.Tensor) -> tuple[int, str]:
     return int(header[1]), raw.decode("utf-8", "replace")
 
 
+def pack(header: torch.Tensor, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Write ``header`` then each tensor's bytes into the flat uint8 ``buffer``."""
+    buffer[:HEADER_BYTES].view(torch.int64).copy_(header)
+    offset = HEADER_BYTES
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += _aligned(nbytes)
+
+
+def unpack(buffer: torch.Tensor, metas: Metas) -> tuple[torch.Tensor, ...]:
+    """Views of ``buffer`` as the tensors that ``pack`` wrote into it."""
+    tensors = []
+    offset = HEADER_BYTES
+    for dtype, shape in metas:
+        nbytes = _nbytes(dtype, shape)
+        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    return tuple(tensors)
+
+
 class BufferPool:
-    """Receive buffers by (dtype, shape, device), reused once no tensor shares their storage."""
+    """Flat byte buffers by size, reused once no tensor shares their storage."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._buffers: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._buffers: dict[int, list[torch.Tensor]] = {}
         self.allocations = 0
 
-    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        pool = self._buffers.setdefault((dtype, shape), [])
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of ``nbytes``, as a view: the pool counts views to know it is taken."""
+        pool = self._buffers.setdefault(nbytes, [])
         for buffer in pool:
             if _unshared(buffer):
-                return buffer
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                return buffer.detach()
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocations += 1
         pool.append(buffer)
-        return buffer
+        return buffer.detach()
 
 
 def _unshared(buffer: torch.Tensor) -> bool:
@@ -139,7 +193,6 @@ def _unshared(buffer: torch.Tensor) -> bool:
     return bool(use_count(buffer.untyped_storage()._cdata) <= 2)
 
 
-Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 # (key, peer stage) -> (the shapes it last carried, whether they were the same as before)
 Record = dict[tuple[ActionKey, int], tuple[Metas, bool]]
 
@@ -172,122 +225,121 @@ class DistTransport:
         self.device = device
         self.chunks = chunks
         self.timeout = timeout
-        self.preposts = dist.get_backend(group) == "gloo"
-        self.pool = BufferPool(device)
-        self._headers: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
-        self._sends: list[tuple[Any, Any]] = []
+        self.predicts = dist.get_backend(group) == "gloo"
+        self.pool = BufferPool(device)  # receive buffers
+        self.send_pool = BufferPool(device)
+        self._headers: dict[tuple[Metas, bool], torch.Tensor] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # in flight, with their buffers
         self._owed: dict[ActionKey, list[int]] = {}
         # What each message carried last step; both ends keep the same record, so they
         # make the same prediction (see the module docstring).
         self._sent_shapes: Record = {}
         self._received_shapes: Record = {}
-        self._ahead: list[tuple[ActionKey, int, Metas]] = []  # predicted, not posted yet
-        self._payloads: dict[ActionKey, tuple[list[torch.Tensor], list[Any]]] = {}
+        self._ahead: list[tuple[ActionKey, int]] = []  # to post, in the order of use
+        self._posted: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
+        self._abandoned: list[tuple[Any, torch.Tensor]] = []  # a failed step's last sends
 
     def begin_step(
         self, receives: Sequence[tuple[ActionKey, int]], sends: dict[ActionKey, tuple[int, ...]]
     ) -> None:
-        """Post this step's header receives (under gloo) and note the messages owed."""
+        """Note this step's receives (posted ahead under gloo) and the messages owed."""
         self._owed = {key: list(destinations) for key, destinations in sends.items()}
-        self._headers = {}
-        self._payloads = {}
-        self._ahead = []
-        if self.preposts:
-            for key, source in receives:
-                self._headers[key] = self._post_header(key, source)
-                metas = _predicted(self._received_shapes, (key, source))
-                if metas is not None:
-                    self._ahead.append((key, source, metas))
-            self._post_ahead()
+        self._posted = {}
+        self._ahead = list(receives) if self.predicts else []
+        self._post_ahead()
 
     def _post_ahead(self) -> None:
-        while self._ahead and len(self._payloads) < PAYLOAD_LOOKAHEAD:
-            key, source, metas = self._ahead.pop(0)
-            self._payloads[key] = self._post_payload(key, source, metas)
+        while self._ahead and len(self._posted) < PAYLOAD_LOOKAHEAD:
+            key, source = self._ahead.pop(0)
+            self._posted[key] = self._post(key, source, self._expected_size(key, source), False)
 
-    def _post_payload(
-        self, key: ActionKey, source: int, metas: Metas
-    ) -> tuple[list[torch.Tensor], list[Any]]:
-        # Views, not the pool's tensors: the pool counts views to know a buffer is taken.
-        buffers = [self.pool.take(dtype, shape).detach() for dtype, shape in metas]
+    def _expected_size(self, key: ActionKey, source: int) -> int:
+        metas = _predicted(self._received_shapes, (key, source)) if self.predicts else None
+        return HEADER_BYTES if metas is None else message_size(metas)
+
+    def _post(self, key: ActionKey, source: int, nbytes: int, second: bool) -> tuple[torch.Tensor, Any]:
+        buffer = self.pool.take(nbytes)
         peer = self.stage_ranks[source]
-        operations = [
-            dist.P2POp(dist.irecv, buffer, peer, self.group, _tag(key, self.chunks, part + 1))
-            for part, buffer in enumerate(buffers)
-        ]
-        return buffers, list(dist.batch_isend_irecv(operations)) if operations else []
+        return buffer, dist.irecv(buffer, peer, self.group, tag=_tag(key, self.chunks, second))
 
-    def _post_header(self, key: ActionKey, source: int) -> tuple[torch.Tensor, Any]:
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self._wire_device())
-        work = dist.irecv(header, self.stage_ranks[source], self.group, tag=_tag(key, self.chunks, 0))
-        return header, work
-
-    def _wire_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+    def _header(self, metas: Metas, is_tuple: bool) -> torch.Tensor:
+        header = self._headers.get((metas, is_tuple))
+        if header is None:
+            header = encode_header(metas, is_tuple).to(self.device)
+            self._headers[(metas, is_tuple)] = header
+        return header
 
     def send(self, key: ActionKey, destination: int, payload: Any) -> None:
         is_tuple = isinstance(payload, tuple)
         tensors = [t.contiguous() for t in (payload if is_tuple else (payload,))]
-        header = encode_header(tensors, is_tuple)
-        fillers: list[torch.Tensor] = []
-        if self.preposts:
-            metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        header = self._header(metas, is_tuple)
+        predicted = None
+        if self.predicts:
             predicted = _predicted(self._sent_shapes, (key, destination))
             _remember(self._sent_shapes, (key, destination), metas)
-            if predicted is not None and predicted != metas:
-                # The receive posted for the predicted shapes takes zeros; the tensors follow.
-                header[0] = _RESHAPED
-                fillers = [torch.zeros(shape, dtype=dtype, device=self.device)
-                           for dtype, shape in predicted]
-        header = header.to(self._wire_device())
-        peer = self.stage_ranks[destination]
-        operations = [dist.P2POp(dist.isend, header, peer, self.group, _tag(key, self.chunks, 0))]
-        operations += [
-            dist.P2POp(dist.isend, tensor, peer, self.group, _tag(key, self.chunks, part + 1))
-            for batch in (fillers, tensors)
-            for part, tensor in enumerate(batch)
-        ]
-        try:
-            works = dist.batch_isend_irecv(operations)
-        except RuntimeError as error:
-            raise PeerError(
-                f"stage {self.stage} could not send to rank {peer} (it died?): {error}", peer
-            ) from error
-        for work in works:
-            self._sends.append((work, (header, tensors, fillers)))
+        self._release_sent()
+        message = self.send_pool.take(message_size(metas))
+        pack(header, tensors, message)
+        if predicted == metas:
+            self._isend(key, destination, message, False)
+        else:
+            # The size the receiver posted for carries only the header; the message follows.
+            notice = self.send_pool.take(HEADER_BYTES if predicted is None else message_size(predicted))
+            notice[:HEADER_BYTES].view(torch.int64).copy_(header)
+            notice[:8].view(torch.int64).fill_(_NEXT)
+            self._isend(key, destination, notice, False)
+            self._isend(key, destination, message, True)
         owed = self._owed.get(key)
         if owed is not None and destination in owed:
             owed.remove(destination)
 
+    def _isend(self, key: ActionKey, destination: int, buffer: torch.Tensor, second: bool) -> None:
+        peer = self.stage_ranks[destination]
+        try:
+            work = dist.isend(buffer, peer, self.group, tag=_tag(key, self.chunks, second))
+        except RuntimeError as error:
+            raise PeerError(
+                f"stage {self.stage} could not send to rank {peer} (it died?): {error}", peer
+            ) from error
+        self._sends.append((work, buffer))
+
+    def _release_sent(self) -> None:
+        """Drop the buffers of sends already done, so that the send pool can reuse them."""
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.pop(0)
+
     def receive(self, key: ActionKey, source: int) -> Any:
-        header, work = self._headers.pop(key, None) or self._post_header(key, source)
-        posted = self._payloads.pop(key, None)
-        predicted = _predicted(self._received_shapes, (key, source)) if self.preposts else None
-        if posted is None and predicted is not None:  # beyond the lookahead: post it now
-            self._ahead = [entry for entry in self._ahead if entry[0] != key]
-            posted = self._post_payload(key, source, predicted)
+        posted = self._posted.pop(key, None)
+        if posted is None:
+            if self._ahead and self._ahead[0][0] == key:
+                self._ahead.pop(0)
+            else:
+                self._ahead = [entry for entry in self._ahead if entry[0] != key]
+            posted = self._post(key, source, self._expected_size(key, source), False)
+        buffer, work = posted
         self._wait(work, key, source)
+        header = buffer[:HEADER_BYTES].view(torch.int64)
+        if self.device.type != "cpu":
+            header = header.cpu()
         status = int(header[0])
         if status == _FAILED:
-            origin, reason = decode_failure(header.cpu())
+            origin, reason = decode_failure(header)
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
-        is_tuple, listed = decode_header(header.cpu())
-        metas = tuple(listed)
-        if self.preposts:
+        is_tuple, metas = decode_header(header)
+        if status == _NEXT:
+            buffer, work = self._post(key, source, message_size(metas), True)
+            self._wait(work, key, source)
+        if self.predicts:
             _remember(self._received_shapes, (key, source), metas)
-        if posted is not None:
-            for work in posted[1]:  # the payload, or zeros when the shapes changed
-                self._wait(work, key, source)
-        if posted is None or status == _RESHAPED:
-            posted = self._post_payload(key, source, metas)
-            for work in posted[1]:
-                self._wait(work, key, source)
-        buffers = posted[0]
-        self._post_ahead()
-        views = tuple(buffer.detach() for buffer in buffers)
-        return views if is_tuple else views[0]
+        tensors = unpack(buffer, metas)
+        return tensors if is_tuple else tensors[0]
 
     def _wait(self, work: Any, key: ActionKey, source: int) -> None:
+        if not work.is_completed():
+            # Idle until the message comes: the time to post the next receives ahead.
+            # Posting costs a message to the peer, which would delay compute ready to start.
+            self._post_ahead()
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
@@ -314,23 +366,32 @@ class DistTransport:
 
     def fail(self, origin: int, reason: str) -> None:
         """Tell every peer still owed a message that ``origin`` failed; best effort."""
-        header = encode_failure(origin, reason).to(self._wire_device())
+        failure = encode_failure(origin, reason).to(self.device)
         works = []
         for key, destinations in self._owed.items():
             for destination in destinations:
+                predicted = (_predicted(self._sent_shapes, (key, destination))
+                             if self.predicts else None)
+                notice = torch.zeros(HEADER_BYTES if predicted is None else message_size(predicted),
+                                     dtype=torch.uint8, device=self.device)
+                notice[:HEADER_BYTES].view(torch.int64).copy_(failure)
                 peer = self.stage_ranks[destination]
                 try:
-                    works.append(dist.isend(header, peer, self.group, tag=_tag(key, self.chunks, 0)))
+                    works.append((dist.isend(notice, peer, self.group,
+                                             tag=_tag(key, self.chunks, False)), notice))
                 except RuntimeError:
                     pass  # that peer is gone already
         self._owed = {}
         # After a failed step the two ends' records may differ: predict nothing from now on.
         self._sent_shapes.clear()
         self._received_shapes.clear()
-        # Messages already under way go out first, so peers reach the failure headers.
-        deadline = time.monotonic() + min(self.timeout, 10.0)
-        pending, self._sends = [work for work, _ in self._sends], []
-        for work in pending + works:
+        # A peer blocked on one of these has its receive posted, so its message leaves at
+        # once; the rest wait in gloo until their peer posts the receive, which a peer that
+        # stopped never does. Kept alive for the later ones; waited on briefly for the first.
+        self._abandoned = self._sends + works
+        self._sends = []
+        deadline = time.monotonic() + min(self.timeout, FAILURE_GRACE)
+        for work, _ in self._abandoned:
             try:
                 work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
             except RuntimeError:
