@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +49,22 @@ def check_agreement(group: Any, **settings: Any) -> None:
                 problems.append(f"rank {rank} has {name}={value} but the others have {common}")
     if problems:
         raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
+
+
+def clock_offset(group: Any) -> float:
+    """Seconds to subtract from this rank's ``time.perf_counter()`` to read the first rank's.
+
+    Ranks on one host read the same monotonic clock: 0. Across hosts the offset is
+    measured once, at the exit of a barrier (good to a fraction of a millisecond), so
+    that steps need no barrier of their own.
+    """
+    dist.barrier(group=group)
+    now = time.perf_counter()
+    mine = (socket.gethostname(), now)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    first_host, first_now = gathered[0]
+    return 0.0 if first_host == mine[0] else now - first_now
 
 
 def schedule_digest(schedule: Schedule) -> str:
@@ -158,8 +175,8 @@ class DistRunner:
         self.transport = DistTransport(
             group, self.stage_ranks, self.stage, device, schedule.chunks, timeout
         )
+        self.clock_offset = clock_offset(group)
         self.memory: tuple[MemoryReport, ...] = ()
-        self.last_rank = self.stage_ranks[schedule.placement[-1]]
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for index in self.local_layers:
@@ -195,8 +212,7 @@ class DistRunner:
             targets=None if targets is None else [to_device(t, self.device) for t in targets],
             weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
         )
-        dist.barrier(group=self.group)
-        origin = time.perf_counter()
+        origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
         self.transport.begin_step(self.receive_order, self.plan.destinations)
         try:
             result = run_stage(schedule, self.plan, self.chunks, self.transport, step_inputs)
@@ -208,12 +224,9 @@ class DistRunner:
             for chunk in self.chunks.values():
                 chunk.begin_step(0, schedule.microbatches, False)
         self.memory = (self.tracker.report(),)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        if result.losses:
-            loss = sum(result.losses[m] for m in range(schedule.microbatches)).to(torch.float64)
-        dist.broadcast(loss, self.last_rank, group=self.group)
+        loss, timeline = self._share_results(result.losses, result.events, origin)
         self._average_gradients(loss)
-        return loss, self._gather_timeline(result.events, origin)
+        return loss, timeline
 
     def _average_gradients(self, loss: torch.Tensor) -> None:
         if self.data_group is None:
@@ -226,30 +239,46 @@ class DistRunner:
         dist.all_reduce(loss, group=self.data_group)
         loss.div_(replicas)
 
-    def _gather_timeline(self, events: list[Event], origin: float) -> Timeline | None:
-        # A stage's events follow its schedule order one to one, so only the times travel:
-        # one tensor gather, where pickling every event cost milliseconds a step.
+    def _share_results(
+        self, losses: dict[int, torch.Tensor], events: list[Event], origin: float
+    ) -> tuple[torch.Tensor, Timeline | None]:
+        """The batch loss on every rank and every stage's events on the first: one all-gather.
+
+        A stage's events follow its schedule order one to one, so only the times travel,
+        after the loss and the step's start: one tensor, where pickling every event cost
+        milliseconds a step. Times are on the first stage's clock, from its step's start.
+        """
         schedule = self.schedule
-        times = torch.zeros(max(len(order) for order in schedule.order), 2, dtype=torch.float64)
+        row = torch.zeros(2 + 2 * max(len(order) for order in schedule.order), dtype=torch.float64)
+        if losses:
+            row[0] = float(sum(losses[m] for m in range(schedule.microbatches)))
+        shift = self.clock_offset  # to the first stage's clock
+        row[1] = origin - shift
         if events:
-            times[: len(events)] = torch.tensor(
-                [(event.start - origin, event.end - origin) for event in events], dtype=torch.float64
+            row[2 : 2 + 2 * len(events)] = torch.tensor(
+                [t - shift for event in events for t in (event.start, event.end)],
+                dtype=torch.float64,
             )
-        times = times.to(self.device)
-        gathered = [torch.empty_like(times) for _ in range(schedule.stages)] if self.stage == 0 else None
-        dist.gather(times, gathered, dst=self.stage_ranks[0], group=self.group)
-        if gathered is None:
-            return None
-        return Timeline(
+        row = row.to(self.device)
+        rows = [torch.empty_like(row) for _ in range(schedule.stages)]
+        dist.all_gather(rows, row, group=self.group)
+        loss = rows[schedule.placement[-1]][0].clone()
+        if self.stage != 0:
+            return loss, None
+        start = float(rows[0][1])
+        timeline = Timeline(
             stages=schedule.stages,
             events=tuple(
-                Event(stage, action, start, end)
-                for stage, part in enumerate(gathered)
-                for action, (start, end) in zip(schedule.order[stage], part.tolist())
+                Event(stage, action, begin - start, end - start)
+                for stage, part in enumerate(rows)
+                for action, (begin, end) in zip(
+                    schedule.order[stage], part[2:].view(-1, 2).tolist()
+                )
             ),
-            chunks_per_stage=tuple(len(c) for c in self.schedule.chunks_of_stage),
-            name=f"{self.schedule.name} (measured, {self.schedule.stages} ranks)",
+            chunks_per_stage=tuple(len(c) for c in schedule.chunks_of_stage),
+            name=f"{schedule.name} (measured, {schedule.stages} ranks)",
         )
+        return loss, timeline
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         schedule = self.schedule

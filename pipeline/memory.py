@@ -35,7 +35,7 @@ class ActivationTracker:
 
     A tensor is counted once per view of its storage and key, however many saved
     aliases of it there are (an output saved by its own op and by the next one), and
-    released by weakref finalizers when the last alias goes, so the figures follow
+    released by weakref callbacks when the last alias goes, so the figures follow
     real lifetimes, not bookkeeping. Parameters and views of them (Linear saves
     ``weight.t()``) are excluded: they live anyway.
     """
@@ -46,6 +46,9 @@ class ActivationTracker:
         self._share = chunk_share
         self._lock = threading.Lock()
         self._tracked: dict[View, list[int]] = {}  # view -> [bytes, aliases alive]
+        # id(weakref) -> (the weakref, its view): a weakref with a callback is a fraction
+        # of the cost of weakref.finalize, paid for every saved tensor of every micro-batch.
+        self._watched: dict[int, tuple[weakref.ref[torch.Tensor], View]] = {}
         self._live_bytes: dict[Key, int] = {}
         self._bytes = 0
         self._peak_bytes = 0
@@ -81,10 +84,12 @@ class ActivationTracker:
                 self._bytes += nbytes
                 self._peak_bytes = max(self._peak_bytes, self._bytes)
                 self._peak_held = max(self._peak_held, len(self._live_bytes) * self._share)
-        weakref.finalize(tensor, self._release, view)
+            watch = weakref.ref(tensor, self._freed)
+            self._watched[id(watch)] = (watch, view)
 
-    def _release(self, view: View) -> None:
+    def _freed(self, watch: weakref.ref[torch.Tensor]) -> None:
         with self._lock:
+            _, view = self._watched.pop(id(watch))
             entry = self._tracked[view]
             entry[1] -= 1
             if entry[1]:
