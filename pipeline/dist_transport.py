@@ -171,17 +171,22 @@ class BufferPool:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._next: dict[int, int] = {}  # where to look first: buffers come back in turn
         self.allocations = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A free buffer of ``nbytes``, as a view: the pool counts views to know it is taken."""
         pool = self._buffers.setdefault(nbytes, [])
-        for buffer in pool:
-            if _unshared(buffer):
-                return buffer.detach()
+        start = self._next.get(nbytes, 0)
+        for step in range(len(pool)):
+            index = (start + step) % len(pool)
+            if _unshared(pool[index]):
+                self._next[nbytes] = index + 1
+                return pool[index].detach()
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocations += 1
         pool.append(buffer)
+        self._next[nbytes] = 0
         return buffer.detach()
 
 
@@ -313,7 +318,12 @@ class DistTransport:
             os.sched_yield()
 
     def _release_sent(self) -> None:
-        """Drop the buffers of sends already done, so that the send pool can reuse them."""
+        """Drop the buffers of sends already done, so that the send pool can reuse them.
+
+        Under NCCL a send reports completion as soon as it has happened; a gloo send only
+        once waited on, so under gloo the send buffers come back at ``finish``: a step
+        holds a copy of each message it sent, as it used to hold the tensors themselves.
+        """
         while self._sends and self._sends[0][0].is_completed():
             self._sends.pop(0)
 
@@ -344,10 +354,11 @@ class DistTransport:
         return tensors if is_tuple else tensors[0]
 
     def _wait(self, work: Any, key: ActionKey, source: int) -> None:
-        if not work.is_completed():
-            # Idle until the message comes: the time to post the next receives ahead.
-            # Posting costs a message to the peer, which would delay compute ready to start.
-            self._post_ahead()
+        # Post the next receives now, before waiting, not once the message is in: then
+        # their cost (a message to the peer each) falls in this rank's idle time, not
+        # between a message's arrival and the compute that needs it. (A gloo receive
+        # cannot tell that it has completed before it is waited on.)
+        self._post_ahead()
         try:
             work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
