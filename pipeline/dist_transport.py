@@ -1,8 +1,8 @@
 """DistTransport: results crossing ranks with torch.distributed point-to-point messages.
 
 A message is one flat byte buffer: a small int64 header (status, origin rank,
-and the dtype and shape of each tensor), then each tensor's bytes. One message
-per hop, whatever the number of tensors: every gloo call costs the sender, the
+and the dtype and shape of each tensor), then each tensor's bytes (the format is
+``pipeline.wire``). One message per hop, whatever the number of tensors: every gloo call costs the sender, the
 receiver and both ranks' gloo threads time on cores the compute is using, so a
 hop that took a header message and a payload message cost twice. Shapes may
 change from one micro-batch to the next (variable sequence lengths); receive
@@ -50,21 +50,24 @@ import torch.distributed as dist
 from schedules import Op
 from schedules.dependencies import ActionKey
 
-MAX_TENSORS = 8
-MAX_DIMS = 8
-HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, is_tuple, count; per tensor
-HEADER_BYTES = HEADER_SLOTS * 8
-ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
-_OK, _FAILED, _NEXT = 0, 1, 2
+from pipeline.wire import (
+    FAILED,
+    HEADER_BYTES,
+    NEXT,
+    BufferPool,
+    Metas,
+    decode_failure,
+    decode_header,
+    encode_failure,
+    encode_header,
+    message_size,
+    pack,
+    unpack,
+)
+
 PAYLOAD_LOOKAHEAD = 4  # receives posted ahead of use, under gloo
 FAILURE_GRACE = 0.5  # seconds a failing rank waits for its last messages to leave
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
 _OP_CODES = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
-
-Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 
 
 class PeerError(RuntimeError):
@@ -78,125 +81,6 @@ class PeerError(RuntimeError):
 def _tag(key: ActionKey, chunks: int, second: bool) -> int:
     op, microbatch, chunk = key
     return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * 2 + int(second)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * dtype.itemsize
-
-
-def message_size(metas: Metas) -> int:
-    """Bytes of the message carrying tensors of these (dtype, shape)s, header included."""
-    return HEADER_BYTES + sum(_aligned(_nbytes(dtype, shape)) for dtype, shape in metas)
-
-
-def encode_header(metas: Metas, is_tuple: bool, status: int = _OK) -> torch.Tensor:
-    """The header describing tensors of these (dtype, shape)s."""
-    if len(metas) > MAX_TENSORS:
-        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
-    values = [status, 0, int(is_tuple), len(metas)]
-    for dtype, shape in metas:
-        if len(shape) > MAX_DIMS or dtype not in _DTYPES:
-            raise ValueError(
-                f"tensors crossing stages need at most {MAX_DIMS} dims and a dtype in "
-                f"{_DTYPES}, got {dtype} of shape {shape}"
-            )
-        values += [_DTYPES.index(dtype), len(shape), *shape]
-        values += [0] * (MAX_DIMS - len(shape))
-    values += [0] * (HEADER_SLOTS - len(values))
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def decode_header(header: torch.Tensor) -> tuple[bool, Metas]:
-    """``(is_tuple, ((dtype, shape), ...))`` from a header with status OK or NEXT."""
-    values = header.tolist()
-    metas = []
-    for index in range(values[3]):
-        base = 4 + index * (2 + MAX_DIMS)
-        ndim = values[base + 1]
-        metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
-    return bool(values[2]), tuple(metas)
-
-
-def encode_failure(origin: int, reason: str) -> torch.Tensor:
-    """A header that says rank ``origin`` failed, carrying as much of ``reason`` as fits."""
-    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
-    text = reason.encode("utf-8", "replace")[: (HEADER_SLOTS - 4) * 8]
-    padded = text + b" " * (-len(text) % 8)
-    header[0], header[1], header[2] = _FAILED, origin, len(text)
-    if padded:
-        words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
-        header[4 : 4 + len(words)] = words
-    return header
-
-
-def decode_failure(header: torch.Tensor) -> tuple[int, str]:
-    """``(origin rank, reason)`` from a failure header."""
-    length = int(header[2])
-    raw = header[4:].numpy().tobytes()[:length]
-    return int(header[1]), raw.decode("utf-8", "replace")
-
-
-def pack(header: torch.Tensor, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
-    """Write ``header`` then each tensor's bytes into the flat uint8 ``buffer``."""
-    buffer[:HEADER_BYTES].view(torch.int64).copy_(header)
-    offset = HEADER_BYTES
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes:
-            buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-        offset += _aligned(nbytes)
-
-
-def unpack(buffer: torch.Tensor, metas: Metas) -> tuple[torch.Tensor, ...]:
-    """Views of ``buffer`` as the tensors that ``pack`` wrote into it."""
-    tensors = []
-    offset = HEADER_BYTES
-    for dtype, shape in metas:
-        nbytes = _nbytes(dtype, shape)
-        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
-        offset += _aligned(nbytes)
-    return tuple(tensors)
-
-
-class BufferPool:
-    """Flat byte buffers by size, reused once no tensor shares their storage."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._buffers: dict[int, list[torch.Tensor]] = {}
-        self._next: dict[int, int] = {}  # where to look first: buffers come back in turn
-        self.allocations = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A free buffer of ``nbytes``, as a view: the pool counts views to know it is taken."""
-        pool = self._buffers.setdefault(nbytes, [])
-        start = self._next.get(nbytes, 0)
-        for step in range(len(pool)):
-            index = (start + step) % len(pool)
-            if _unshared(pool[index]):
-                self._next[nbytes] = index + 1
-                return pool[index].detach()
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.allocations += 1
-        pool.append(buffer)
-        self._next[nbytes] = 0
-        return buffer.detach()
-
-
-def _unshared(buffer: torch.Tensor) -> bool:
-    # The pool's own tensor and the temporary storage object make two uses; any
-    # view handed out (and still alive) makes more.
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    if use_count is None:
-        return False
-    return bool(use_count(buffer.untyped_storage()._cdata) <= 2)
 
 
 # (key, peer stage) -> (the shapes it last carried, whether they were the same as before)
@@ -298,7 +182,7 @@ class DistTransport:
             # The size the receiver posted for carries only the header; the message follows.
             notice = self.send_pool.take(HEADER_BYTES if predicted is None else message_size(predicted))
             notice[:HEADER_BYTES].view(torch.int64).copy_(header)
-            notice[:8].view(torch.int64).fill_(_NEXT)
+            notice[:8].view(torch.int64).fill_(NEXT)
             self._isend(key, destination, notice, False)
             self._isend(key, destination, message, True)
         owed = self._owed.get(key)
@@ -341,11 +225,11 @@ class DistTransport:
         if self.device.type != "cpu":
             header = header.cpu()
         status = int(header[0])
-        if status == _FAILED:
+        if status == FAILED:
             origin, reason = decode_failure(header)
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
         is_tuple, metas = decode_header(header)
-        if status == _NEXT:
+        if status == NEXT:
             buffer, work = self._post(key, source, message_size(metas), True)
             self._wait(work, key, source)
         if self.predicts:

@@ -1,11 +1,11 @@
-"""The wire format of DistTransport: headers, and tensors packed into one message."""
+"""The wire format of DistTransport (pipeline.wire): headers, and tensors packed into one message."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.dist_transport import (
+from pipeline.wire import (
     HEADER_BYTES,
     MAX_TENSORS,
     BufferPool,

@@ -1,0 +1,146 @@
+"""The wire format of DistTransport: one flat byte buffer per message.
+
+A message is a small int64 header (status, origin rank, whether the payload is
+a tuple, and the dtype and shape of each tensor), then each tensor's bytes, each
+starting at a multiple of ``ALIGNMENT`` so that the receiver's tensors are views
+of the buffer. A failure's header carries the error's text instead of shapes.
+``BufferPool`` keeps the buffers, by size, for reuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MAX_TENSORS = 8
+MAX_DIMS = 8
+HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, is_tuple, count; per tensor
+HEADER_BYTES = HEADER_SLOTS * 8
+ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
+OK, FAILED, NEXT = 0, 1, 2  # a message's status
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+
+Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def message_size(metas: Metas) -> int:
+    """Bytes of the message carrying tensors of these (dtype, shape)s, header included."""
+    return HEADER_BYTES + sum(_aligned(_nbytes(dtype, shape)) for dtype, shape in metas)
+
+
+def encode_header(metas: Metas, is_tuple: bool, status: int = OK) -> torch.Tensor:
+    """The header describing tensors of these (dtype, shape)s."""
+    if len(metas) > MAX_TENSORS:
+        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
+    values = [status, 0, int(is_tuple), len(metas)]
+    for dtype, shape in metas:
+        if len(shape) > MAX_DIMS or dtype not in _DTYPES:
+            raise ValueError(
+                f"tensors crossing stages need at most {MAX_DIMS} dims and a dtype in "
+                f"{_DTYPES}, got {dtype} of shape {shape}"
+            )
+        values += [_DTYPES.index(dtype), len(shape), *shape]
+        values += [0] * (MAX_DIMS - len(shape))
+    values += [0] * (HEADER_SLOTS - len(values))
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[bool, Metas]:
+    """``(is_tuple, ((dtype, shape), ...))`` from a header with status OK or NEXT."""
+    values = header.tolist()
+    metas = []
+    for index in range(values[3]):
+        base = 4 + index * (2 + MAX_DIMS)
+        ndim = values[base + 1]
+        metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
+    return bool(values[2]), tuple(metas)
+
+
+def encode_failure(origin: int, reason: str) -> torch.Tensor:
+    """A header that says rank ``origin`` failed, carrying as much of ``reason`` as fits."""
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    text = reason.encode("utf-8", "replace")[: (HEADER_SLOTS - 4) * 8]
+    padded = text + b" " * (-len(text) % 8)
+    header[0], header[1], header[2] = FAILED, origin, len(text)
+    if padded:
+        words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
+        header[4 : 4 + len(words)] = words
+    return header
+
+
+def decode_failure(header: torch.Tensor) -> tuple[int, str]:
+    """``(origin rank, reason)`` from a failure header."""
+    length = int(header[2])
+    raw = header[4:].numpy().tobytes()[:length]
+    return int(header[1]), raw.decode("utf-8", "replace")
+
+
+def pack(header: torch.Tensor, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+    """Write ``header`` then each tensor's bytes into the flat uint8 ``buffer``."""
+    buffer[:HEADER_BYTES].view(torch.int64).copy_(header)
+    offset = HEADER_BYTES
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += _aligned(nbytes)
+
+
+def unpack(buffer: torch.Tensor, metas: Metas) -> tuple[torch.Tensor, ...]:
+    """Views of ``buffer`` as the tensors that ``pack`` wrote into it."""
+    tensors = []
+    offset = HEADER_BYTES
+    for dtype, shape in metas:
+        nbytes = _nbytes(dtype, shape)
+        tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    return tuple(tensors)
+
+
+class BufferPool:
+    """Flat byte buffers by size, reused once no tensor shares their storage."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        self._next: dict[int, int] = {}  # where to look first: buffers come back in turn
+        self.allocations = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of ``nbytes``, as a view: the pool counts views to know it is taken."""
+        pool = self._buffers.setdefault(nbytes, [])
+        start = self._next.get(nbytes, 0)
+        for step in range(len(pool)):
+            index = (start + step) % len(pool)
+            if _unshared(pool[index]):
+                self._next[nbytes] = index + 1
+                return pool[index].detach()
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.allocations += 1
+        pool.append(buffer)
+        self._next[nbytes] = 0
+        return buffer.detach()
+
+
+def _unshared(buffer: torch.Tensor) -> bool:
+    # The pool's own tensor and the temporary storage object make two uses; any
+    # view handed out (and still alive) makes more.
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return bool(use_count(buffer.untyped_storage()._cdata) <= 2)
