@@ -43,11 +43,11 @@ def message_size(metas: Metas) -> int:
     return HEADER_BYTES + sum(_aligned(_nbytes(dtype, shape)) for dtype, shape in metas)
 
 
-def encode_header(metas: Metas, is_tuple: bool, status: int = OK) -> torch.Tensor:
+def encode_header(metas: Metas, is_tuple: bool) -> torch.Tensor:
     """The header describing tensors of these (dtype, shape)s."""
     if len(metas) > MAX_TENSORS:
         raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
-    values = [status, 0, int(is_tuple), len(metas)]
+    values = [OK, 0, int(is_tuple), len(metas)]
     for dtype, shape in metas:
         if len(shape) > MAX_DIMS or dtype not in _DTYPES:
             raise ValueError(
