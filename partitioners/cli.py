@@ -94,7 +94,12 @@ def _run(args: argparse.Namespace) -> int:
     _usage(check_stages, len(model), args.stages)
     held = _usage(held_microbatches, args.schedule, args.stages, args.chunks)
     sample = make_sample(shapes, args.dtype)
-    device = _usage(torch.device, args.device)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        raise UsageError(
+            f"--device {args.device!r}: expected a device such as cpu, cuda or cuda:1"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available here")
     costs = _usage(profile, model, sample, device=device, warmup=args.warmup, repeat=args.repeat,
@@ -130,11 +135,11 @@ def _size(flag: str, text: str | None) -> float | None:
 
 
 def _usage(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call ``function``; a ValueError, TypeError or RuntimeError it raises becomes a UsageError."""
+    """Call ``function``; a ValueError, TypeError, RuntimeError or MemoryError: a UsageError."""
     try:
         return function(*args, **kwargs)
-    except (ValueError, TypeError, RuntimeError) as error:
-        raise UsageError(str(error)) from None
+    except (ValueError, TypeError, RuntimeError, MemoryError) as error:
+        raise UsageError(str(error) or type(error).__name__) from None
 
 
 def _options(

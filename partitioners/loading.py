@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from typing import Any
+
+from partitioners.units import format_bytes
 
 _FLOAT_HINT = "expected comma-separated positive integers such as 32,1024 (';' between inputs)"
 
@@ -48,6 +51,11 @@ def load_factory(spec: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except ImportError as error:
         raise UsageError(f"cannot import module {module_name!r}: {error}") from None
+    except SystemExit as exit_:  # a script's sys.exit() at import time: not a model
+        raise UsageError(
+            f"importing module {module_name!r} called sys.exit({exit_.code!r}); expected a "
+            f"module that defines {attribute!r} without exiting"
+        ) from None
     except Exception as error:  # noqa: BLE001 - the user's module raised while importing
         raise UsageError(
             f"importing module {module_name!r} raised {type(error).__name__}: {error}"
@@ -65,13 +73,18 @@ def build_model(spec: str) -> Any:
     """Call the factory named by ``spec`` and check that it returns a non-empty nn.Sequential.
 
     Raises:
-        UsageError: the factory cannot be loaded, raises, or returns something else.
+        UsageError: the factory cannot be loaded, raises, calls ``sys.exit``, or
+            returns something else.
     """
     from torch import nn
 
     factory = load_factory(spec)
     try:
         model = factory()
+    except SystemExit as exit_:  # exit status 0 would otherwise pass for success
+        raise UsageError(
+            f"{spec}() called sys.exit({exit_.code!r}); expected it to return an nn.Sequential"
+        ) from None
     except Exception as error:  # noqa: BLE001 - the user's factory raised
         raise UsageError(f"{spec}() raised {type(error).__name__}: {error}") from None
     if not isinstance(model, nn.Sequential):
@@ -85,8 +98,9 @@ def make_sample(shapes: list[tuple[int, ...]], dtypes: str) -> Any:
     """Random floating inputs (zeros for integer dtypes, valid as indices) of the given shapes.
 
     Raises:
-        UsageError: an unknown dtype, or a count of dtypes that matches neither one
-            nor the number of inputs.
+        UsageError: an unknown dtype, a count of dtypes that matches neither one
+            nor the number of inputs, or inputs too large to allocate (more bytes
+            than this machine's memory, or an allocation that fails).
     """
     import torch
 
@@ -97,13 +111,44 @@ def make_sample(shapes: list[tuple[int, ...]], dtypes: str) -> Any:
         raise UsageError(
             f"--dtype: expected one dtype or {len(shapes)} (one per input), got {len(names)}"
         )
-    tensors = []
-    for shape, name in zip(shapes, names):
+    kinds = []
+    for name in names:
         dtype = getattr(torch, name.removeprefix("torch."), None)
         if not isinstance(dtype, torch.dtype):
             raise UsageError(f"--dtype: unknown dtype {name!r}, expected e.g. float32 or int64")
-        if dtype.is_floating_point or dtype.is_complex:
-            tensors.append(torch.randn(shape, dtype=dtype))
-        else:
-            tensors.append(torch.zeros(shape, dtype=dtype))
+        kinds.append(dtype)
+    _check_fits(shapes, kinds)
+    tensors = []
+    for shape, dtype in zip(shapes, kinds):
+        try:
+            if dtype.is_floating_point or dtype.is_complex:
+                tensors.append(torch.randn(shape, dtype=dtype))
+            else:
+                tensors.append(torch.zeros(shape, dtype=dtype))
+        except (RuntimeError, MemoryError):  # torch's message is a C++ trace: say it plainly
+            raise UsageError(_too_large(shapes, kinds, "the allocation failed")) from None
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _check_fits(shapes: list[tuple[int, ...]], dtypes: list[Any]) -> None:
+    """Refuse inputs larger than physical memory before the allocator (or the OOM killer) does."""
+    memory = _physical_memory()
+    if memory is not None and _sample_bytes(shapes, dtypes) > memory:
+        raise UsageError(_too_large(shapes, dtypes, f"this machine has {format_bytes(memory)}"))
+
+
+def _sample_bytes(shapes: list[tuple[int, ...]], dtypes: list[Any]) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes))
+
+
+def _too_large(shapes: list[tuple[int, ...]], dtypes: list[Any], why: str) -> str:
+    text = ";".join(",".join(str(dim) for dim in shape) for shape in shapes)
+    size = format_bytes(_sample_bytes(shapes, dtypes), exact=True)
+    return f"cannot allocate the --input-shape {text} sample: {size}; {why}; reduce --input-shape"
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not on this platform
+        return None

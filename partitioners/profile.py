@@ -18,7 +18,7 @@ from partitioners.tensors import (
     SavedBytes,
     detached,
     nbytes,
-    requiring_grad,
+    fresh_inputs,
     storage_pointers,
     to_device,
 )
@@ -44,7 +44,13 @@ def profile(
 
     Afterwards the model is as it was: the training flag of every module, parameter
     ``.grad`` (profiling's own gradients are dropped), buffers such as BatchNorm's
-    running statistics, the device of every tensor, and the global RNG state.
+    running statistics, the device of every tensor, and the global RNG state. The
+    sample is never written to: every run feeds a layer a copy of its input, so
+    in-place layers (``ReLU(inplace=True)``, ``x.mul_()``) are measured as they run.
+
+    A parameter shared by several layers (a head tied to the embedding) is counted
+    once, in the ``param_bytes`` of the first layer that uses it; summing
+    ``param_bytes`` over layers gives the model's parameter bytes.
 
     Args:
         model: the model to measure, an ``nn.Sequential`` of at least one layer.
@@ -63,11 +69,12 @@ def profile(
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``, or ``sample`` is not a
             tensor or a tuple of tensors.
-        ValueError: an empty model, or ``warmup``/``repeat`` out of range.
+        ValueError: an empty model, ``warmup``/``repeat`` out of range, or a device
+            this machine does not have (e.g. ``"cuda"`` without CUDA).
         RuntimeError: a layer failed; the message names it.
     """
     _check_arguments(model, sample, warmup, repeat)
-    target = torch.device(device)
+    target = _check_device(device)
     show = sys.stderr.isatty() if progress is None else progress
     with _preserved(model), _forked_rng(target), torch.enable_grad():
         model.train()
@@ -76,12 +83,13 @@ def profile(
         if warmup:
             _warm_up(model, inputs, target)
         costs = []
+        charged: set[int] = set()
         layers = tqdm(
             model, desc="profile", unit="layer", disable=not show, file=sys.stderr, leave=False
         )
         for index, layer in enumerate(layers):
             try:
-                cost, inputs = _measure(layer, inputs, index > 0, target, warmup, repeat)
+                cost, inputs = _measure(layer, inputs, index > 0, target, warmup, repeat, charged)
             except Exception as error:  # noqa: BLE001 - re-raised with the layer named
                 raise RuntimeError(
                     f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
@@ -104,13 +112,46 @@ def _check_arguments(model: Any, sample: Any, warmup: int, repeat: int) -> None:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
+def _check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch.device, if this machine has it."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"expected a device such as 'cpu' or 'cuda:0', got {device!r}: {error}"
+        ) from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"cannot profile on device {str(target)!r}: CUDA is not available here "
+                f"(torch {torch.__version__}); expected device='cpu' or a machine with CUDA"
+            )
+        count = torch.cuda.device_count()
+        if target.index is not None and target.index >= count:
+            raise ValueError(
+                f"cannot profile on device {str(target)!r}: expected a CUDA index below "
+                f"{count} (this machine has {count} CUDA device{'s' if count != 1 else ''})"
+            )
+    return target
+
+
 def _measure(
-    layer: nn.Module, inputs: Any, grad_input: bool, device: torch.device, warmup: int, repeat: int
+    layer: nn.Module,
+    inputs: Any,
+    grad_input: bool,
+    device: torch.device,
+    warmup: int,
+    repeat: int,
+    charged: set[int],
 ) -> tuple[LayerCost, Any]:
-    """Time one layer on ``inputs``; return its cost and its (detached) output."""
+    """Time one layer on ``inputs``; return its cost and its (detached) output.
+
+    ``charged`` holds the ids of parameters an earlier layer already counted: a shared
+    parameter (a head tied to the embedding) is charged to its first layer only.
+    """
     counter = SavedBytes(exclude=storage_pointers(layer))
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        output = layer(requiring_grad(inputs, grad_input))
+        output = layer(fresh_inputs(inputs, grad_input)[0])
     activation_bytes = nbytes(output)
     del output
     forwards, backwards = [], []
@@ -124,12 +165,22 @@ def _measure(
     cost = LayerCost(
         forward=statistics.median(forwards),
         backward=statistics.median(backwards),
-        param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+        param_bytes=_charge(layer, charged),
         activation_bytes=activation_bytes,
         saved_bytes=counter.total,
         name=type(layer).__name__,
     )
     return cost, detached(output)
+
+
+def _charge(layer: nn.Module, charged: set[int]) -> int:
+    """Bytes of the layer's parameters not in ``charged``, which then holds them all."""
+    total = 0
+    for parameter in layer.parameters():
+        if id(parameter) not in charged:
+            charged.add(id(parameter))
+            total += parameter.numel() * parameter.element_size()
+    return total
 
 
 def _warm_up(model: nn.Sequential, inputs: Any, device: torch.device) -> None:
@@ -150,10 +201,10 @@ def _run(
     layer: nn.Module, inputs: Any, grad_input: bool, device: torch.device
 ) -> tuple[float, float, Any]:
     """One forward and one backward of ``layer``, each timed: (seconds, seconds, output)."""
-    leaves = requiring_grad(inputs, grad_input)
+    fresh, _ = fresh_inputs(inputs, grad_input)
     _synchronize(device)
     start = time.perf_counter()
-    output = layer(leaves)
+    output = layer(fresh)
     _synchronize(device)
     forward = time.perf_counter() - start
     items = output if isinstance(output, (tuple, list)) else (output,)

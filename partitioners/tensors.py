@@ -34,15 +34,34 @@ def detached(value: Any) -> Any:
     return _map(value, lambda tensor: tensor.detach())
 
 
-def requiring_grad(value: Any, grad: bool) -> Any:
-    """Fresh leaves: floating tensors require grad if ``grad`` or if they did already."""
+def fresh_inputs(value: Any, grad: bool) -> tuple[Any, list[torch.Tensor]]:
+    """A private copy of ``value`` for one run of a layer, and the leaves it grows from.
 
-    def leaf(tensor: torch.Tensor) -> torch.Tensor:
+    Every tensor is copied, so a layer that writes into its input (``ReLU(inplace=True)``,
+    ``x.mul_()``) never changes the caller's tensors. A floating tensor needs a gradient
+    if ``grad`` or if it required one already; it is then a clone of a fresh leaf, not
+    the leaf itself: autograd forbids in-place writes to a leaf that requires grad, and
+    a stage's input is never one in a real pipeline either (it comes out of a copy).
+
+    Args:
+        value: a tensor, or a (nested) tuple or list of tensors and other values.
+        grad: whether floating tensors should require grad.
+
+    Returns:
+        (the copy to feed the layer, the leaves requiring grad, in order): the input
+        gradient is the gradient with respect to those leaves.
+    """
+    leaves: list[torch.Tensor] = []
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
         differentiable = tensor.is_floating_point() or tensor.is_complex()
-        wants = (grad or tensor.requires_grad) and differentiable
-        return tensor.detach().requires_grad_(wants)
+        if not (differentiable and (grad or tensor.requires_grad)):
+            return tensor.detach().clone()
+        leaf = tensor.detach().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf.clone()
 
-    return _map(value, leaf)
+    return _map(value, copy), leaves
 
 
 def nbytes(value: Any) -> int:

@@ -25,3 +25,28 @@ def empty() -> nn.Sequential:
 
 
 NOT_CALLABLE = 3
+
+
+def in_place() -> nn.Sequential:
+    """In-place layers after the first: profiling must not feed them a leaf."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 32), nn.ReLU(inplace=True), nn.Linear(32, 32),
+        nn.Dropout(0.1, inplace=True), nn.Linear(32, 8),
+    )
+
+
+def tied() -> nn.Sequential:
+    """An embedding and a head sharing one weight: its bytes count once."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(100, 16)
+    head = nn.Linear(16, 100, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(16, 16), nn.ReLU(), head)
+
+
+def exits() -> nn.Sequential:
+    """A factory that exits instead of returning: status 0 must not pass for success."""
+    import sys
+
+    sys.exit(0)

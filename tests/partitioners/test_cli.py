@@ -12,13 +12,14 @@ import pytest
 
 from partitioners.cli import main
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).absolute().parent
+ROOT = HERE.parent.parent  # the checkout under test, ahead of any installed copy
 SCRIPT = Path(sys.executable).parent / "pipe-balance"
 
 
 def run(args: list[str], cwd: Path, script: bool = False) -> subprocess.CompletedProcess[str]:
     command = [str(SCRIPT)] if script else [sys.executable, "-m", "partitioners"]
-    env = dict(os.environ, PYTHONPATH=str(HERE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
     return subprocess.run(
         command + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -63,29 +64,21 @@ def test_module_run_with_memory_limit_and_bandwidth(tmp_path: Path) -> None:
     assert sum(json.loads((tmp_path / "o.json").read_text())["balance"]) == 12
 
 
-ERRORS = [
+SUBPROCESS_ERRORS = [
     (["no_such_module_xyz:build", "--input-shape", "4,32", "--stages", "2"],
      "cannot import module 'no_such_module_xyz'"),
-    (["cli_factories:missing", "--input-shape", "4,32", "--stages", "2"],
-     "module 'cli_factories' has no attribute 'missing'"),
-    (["cli_factories:not_sequential", "--input-shape", "4,32", "--stages", "2"],
-     "returned a Linear, expected an nn.Sequential"),
-    (["cli_factories:mlp", "--input-shape", "4,x", "--stages", "2"],
-     "malformed --input-shape '4,x'"),
-    (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "13"],
-     "cannot cut 12 layers into 13 non-empty stages"),
-    (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "2", "--memory-limit", "1KiB"],
-     "the smallest limit that fits is"),
-    (["cli_factories:empty", "--input-shape", "4,32", "--stages", "1"],
-     "empty nn.Sequential"),
+    (["cli_factories:exits", "--input-shape", "4,32", "--stages", "2"],
+     "cli_factories:exits() called sys.exit(0); expected it to return an nn.Sequential"),
+    (["cli_factories:mlp", "--input-shape", "1000000,1000000", "--stages", "2"],
+     "cannot allocate the --input-shape 1000000,1000000 sample: 3.64 TiB"),
 ]
 
 
-@pytest.mark.parametrize(("args", "message"), ERRORS, ids=[
-    "not-importable", "no-attribute", "not-sequential", "bad-shape", "too-many-stages",
-    "memory-limit", "empty-model",
+@pytest.mark.parametrize(("args", "message"), SUBPROCESS_ERRORS, ids=[
+    "not-importable", "factory-exits", "input-too-large",
 ])
 def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    # In a real process: the exit status, and no traceback, are what a shell sees.
     result = run(args + ["--threads", "1"], cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
@@ -93,6 +86,7 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("pipe-balance: error: ")
     assert message in lines[0]
+    assert "reduce --input-shape" in lines[0] or "large" not in message
 
 
 @pytest.mark.parametrize(
@@ -110,6 +104,31 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
         (["cli_factories:mlp", "--input-shape", "4,31", "--stages", "1"],
          "profiling layer 0 (Linear) failed"),
         (["m:f", "--input-shape", "4"], "the following arguments are required: --stages"),
+        (["cli_factories:missing", "--input-shape", "4,32", "--stages", "2"],
+         "module 'cli_factories' has no attribute 'missing'"),
+        (["cli_factories:not_sequential", "--input-shape", "4,32", "--stages", "2"],
+         "returned a Linear, expected an nn.Sequential"),
+        (["cli_factories:mlp", "--input-shape", "4,x", "--stages", "2"],
+         "malformed --input-shape '4,x'"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "13"],
+         "cannot cut 12 layers into 13 non-empty stages"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "2", "--memory-limit", "1KiB"],
+         "the smallest limit that fits is"),
+        (["cli_factories:empty", "--input-shape", "4,32", "--stages", "1"], "empty nn.Sequential"),
+        (["cli_factories:exits", "--input-shape", "4,32", "--stages", "1"],
+         "cli_factories:exits() called sys.exit(0)"),
+        (["cli_factories:mlp", "--input-shape", "100000,100000", "--stages", "1"],
+         "cannot allocate the --input-shape 100000,100000 sample: 37.25 GiB"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "1", "--device", "cuda:99"],
+         "--device cuda:99"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "1", "--device", "nowhere"],
+         "'nowhere'"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "1", "--repeat", "0"],
+         "repeat must be an int >= 1, got 0"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "2",
+          "--schedule", "interleaved-1f1b"], "places"),
+        (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "1", "--threads", "0"],
+         "--threads must be >= 1, got 0"),
     ],
 )
 def test_more_errors_in_process(
@@ -126,3 +145,47 @@ def test_more_errors_in_process(
     err = capsys.readouterr().err
     assert status == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def huge_sample_fails_to_allocate(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate")
+
+
+def test_an_allocation_that_fails_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under physical memory but refused anyway (another process holds the memory).
+    import torch
+
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.setattr(torch, "randn", huge_sample_fails_to_allocate)
+    status = main(["cli_factories:mlp", "--input-shape", "1000,32", "--stages", "1",
+                   "--no-progress"])
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert "cannot allocate the --input-shape 1000,32 sample: 125.0 KiB" in err
+    assert "the allocation failed; reduce --input-shape" in err
+
+
+@pytest.mark.parametrize("factory", ["in_place", "tied"])
+def test_in_place_and_tied_models_get_a_table(
+    factory: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from cli_factories import tied
+
+    monkeypatch.syspath_prepend(str(HERE))
+    shape = "8,32" if factory == "in_place" else "8,5"
+    dtype = "float32" if factory == "in_place" else "int64"
+    status = main([f"cli_factories:{factory}", "--input-shape", shape, "--dtype", dtype,
+                   "--stages", "2", "--threads", "1", "--repeat", "1", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    if factory == "tied":
+        unique = sum(p.numel() * p.element_size() for p in tied().parameters())
+        assert unique == (100 * 16 + 16 * 16 + 16) * 4
+        assert total.rstrip().endswith("7.31 KiB"), total  # 7488 bytes, the tied weight once
+        assert unique == 7488
+    assert torch.get_num_threads() == 1

@@ -126,6 +126,63 @@ def test_progress_bar_on_request_only(capsys: pytest.CaptureFixture[str]) -> Non
     assert "profile" in capsys.readouterr().err
 
 
+class MulInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0)
+
+
+@pytest.mark.parametrize(
+    "middle",
+    [nn.ReLU(inplace=True), nn.Dropout(0.5, inplace=True), MulInPlace()],
+    ids=["relu", "dropout", "mul_"],
+)
+def test_in_place_layers_after_the_first(middle: nn.Module) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), middle, nn.Linear(8, 8))
+    costs = profile(model, torch.randn(4, 8), warmup=1, repeat=1)
+    assert [cost.name for cost in costs] == ["Linear", type(middle).__name__, "Linear"]
+    assert costs[1].activation_bytes == 4 * 8 * 4
+    assert balance(costs, 2, by="time") in ([1, 2], [2, 1])
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_the_sample_is_never_written_to(requires_grad: bool) -> None:
+    model = nn.Sequential(nn.ReLU(inplace=True), MulInPlace(), nn.Linear(8, 8))
+    sample = torch.randn(4, 8).requires_grad_(requires_grad)
+    before = sample.detach().clone()
+    costs = profile(model, sample, warmup=1, repeat=2)
+    assert torch.equal(sample.detach(), before)
+    assert sample.grad is None and sample.requires_grad is requires_grad
+    assert len(costs) == 3
+
+
+def tied_model() -> nn.Sequential:
+    embedding = nn.Embedding(10, 8)
+    head = nn.Linear(8, 10, bias=False)
+    head.weight = embedding.weight  # one Parameter object in two layers
+    return nn.Sequential(embedding, nn.Linear(8, 8), head)
+
+
+def test_a_shared_parameter_is_charged_to_its_first_layer_only() -> None:
+    model = tied_model()
+    costs = profile(model, torch.randint(0, 10, (4, 3)), warmup=0, repeat=1)
+    assert [cost.param_bytes for cost in costs] == [10 * 8 * 4, (8 * 8 + 8) * 4, 0]
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert sum(cost.param_bytes for cost in costs) == unique
+    assert costs[2].activation_bytes == 4 * 3 * 10 * 4
+
+
+def test_a_device_this_machine_lacks_is_a_value_error() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"'cuda:99'.*expected a CUDA index below"):
+            profile(model, torch.randn(1, 2), device="cuda:99")
+    else:
+        with pytest.raises(ValueError, match=r"device 'cuda'.*CUDA is not available"):
+            profile(model, torch.randn(1, 2), device="cuda")
+    with pytest.raises(ValueError, match=r"expected a device such as 'cpu'.*'nowhere'"):
+        profile(model, torch.randn(1, 2), device="nowhere")
+
+
 def test_errors_say_what_was_expected() -> None:
     empty = "expected an nn.Sequential with at least one layer, got an empty one"
     with pytest.raises(ValueError, match=empty):
