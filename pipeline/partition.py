@@ -10,9 +10,7 @@ from torch import nn
 
 from partitioners import uniform
 from schedules import Schedule, get_schedule
-
-# Chunks per stage that a schedule name implies when none is given.
-DEFAULT_CHUNKS_PER_STAGE = {"zb-v": 2, "interleaved-1f1b": 2}
+from schedules.registry import schedule_info
 
 
 def check_model(model: Any) -> nn.Sequential:
@@ -51,13 +49,10 @@ def build_schedule(
 
 
 def chunks_per_stage(schedule: str | Schedule, options: dict[str, Any]) -> int:
-    """How many model chunks each stage holds under ``schedule``."""
+    """How many model chunks each stage holds under ``schedule`` (a registry fact)."""
     if isinstance(schedule, Schedule):
         return schedule.chunks // schedule.stages
-    if "chunks_per_stage" in options:
-        return int(options["chunks_per_stage"])
-    key = str(schedule).strip().lower().replace("_", "-")
-    return DEFAULT_CHUNKS_PER_STAGE.get(key, 1)
+    return schedule_info(schedule).chunks(**options)
 
 
 def uniform_balance(layers: int, parts: int) -> list[int]:

@@ -7,6 +7,10 @@ from schedules.interleaved import interleaved_1f1b
 from schedules.onefoneb import one_f_one_b
 from schedules.plot import plot_timeline
 from schedules.registry import get_schedule, schedule_names
+from schedules.registry import ScheduleInfo, normalize_name, schedule_info
+from schedules.dualpipe import dualpipe_v
+from schedules.v_shape import v_half, v_min
+from schedules.zb import zero_bubble_capped
 from schedules.simulate import simulate, simulate_measured
 from schedules.timeline import Event, Timeline
 from schedules.validate import validate
@@ -37,4 +41,11 @@ __all__ = [
     "zero_bubble_h1",
     "zero_bubble_h2",
     "zero_bubble_v",
+    "ScheduleInfo",
+    "normalize_name",
+    "schedule_info",
+    "dualpipe_v",
+    "v_half",
+    "v_min",
+    "zero_bubble_capped",
 ]
