@@ -1,4 +1,4 @@
-"""examples/train_gpt.py under torchrun on 2 gloo ranks: a few float64 steps equal the plain model's."""
+"""examples/train_gpt.py on 2 gloo ranks: a few float64 steps equal the unpipelined model's."""
 
 from __future__ import annotations
 
