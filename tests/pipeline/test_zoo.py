@@ -51,10 +51,10 @@ def _failures(runtime: str, sweep: str, limits: dict[str, float]) -> list[str]:
             if row["error"] is not None:
                 problems.append(f"{_where(rank, row)}: {row['error']}")
                 continue
-            for name, limit in limits.items():
-                value = row[name]
-                if value is not None and not value < limit:  # NaN fails too
-                    problems.append(f"{_where(rank, row)}: {name} = {value:.3g}")
+            over = [f"{name} = {row[name]:.3g}" for name, limit in limits.items()
+                    if row[name] is not None and not row[name] < limit]  # NaN fails too
+            if over:
+                problems.append(f"{_where(rank, row)}: {', '.join(over)}")
     return problems
 
 
