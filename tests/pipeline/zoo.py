@@ -3,14 +3,16 @@
 Both are flat ``nn.Sequential`` models in float64, small enough that a pipelined step
 takes a few milliseconds on a CPU, and both exercise what toy MLPs cannot:
 
-- ``gpt``: the head's weight is the embedding's (one Parameter in the first and the
+- ``tiny_gpt``: the head's weight is the embedding's (one Parameter in the first and the
   last layer), functional randomness (dropout, stochastic depth via ``torch.bernoulli``),
   and a token-weighted loss whose targets hold ``-100`` padding, one micro-batch of
   ``gpt_batch`` entirely so.
 - ``resnet``: BatchNorm (batch-coupled), in-place ReLUs (one first in a stage under
   ``resnet_balance``), and a cross-entropy with class weights and label smoothing.
 
-The references here compute, without a pipeline, what a pipelined step must give.
+``gpt(vocab, dim, layers, heads, seq, drop_path, dropout)`` and ``lm_loss`` are
+examples/gpt.py's, which examples/train_gpt.py trains. The references here compute,
+without a pipeline, what a pipelined step must give.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from examples.gpt import IGNORE_INDEX, gpt as build_gpt, lm_loss
+from examples.gpt import IGNORE_INDEX, gpt, lm_loss  # the full-size model and its loss
 
 DTYPE = torch.float64
 VOCAB, DIM, HEADS, SEQ, BLOCKS = 11, 8, 2, 6, 3  # 6 layers: room for 4 chunks of 2 stages
@@ -31,10 +34,10 @@ CLASSES = 5
 CNN_ROWS = 10  # 4 micro-batches of 3, 3, 2, 2 rows
 
 
-def gpt(seed: int = 0, drop_path: float = 0.0, dropout: float = 0.0) -> nn.Sequential:
-    """The test GPT (6 layers: Embed, 3 Blocks, LayerNorm, tied head) under ``seed``."""
+def tiny_gpt(seed: int = 0, drop_path: float = 0.0, dropout: float = 0.0) -> nn.Sequential:
+    """``gpt`` at test size (6 layers: Embed, 3 Blocks, LayerNorm, tied head) under ``seed``."""
     torch.manual_seed(seed)
-    return build_gpt(VOCAB, DIM, BLOCKS, HEADS, SEQ, drop_path=drop_path, dropout=dropout).to(DTYPE)
+    return gpt(VOCAB, DIM, BLOCKS, HEADS, SEQ, drop_path=drop_path, dropout=dropout).to(DTYPE)
 
 
 def gpt_batch(rows: int = GPT_ROWS, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

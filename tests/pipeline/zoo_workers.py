@@ -75,7 +75,7 @@ def _sweep(run_one: Callable[[str, str], Row]) -> list[Row]:
 
 def gpt_exact(runtime: Runtime) -> list[Row]:
     """GPT without randomness: loss and gradients against the whole unpipelined batch."""
-    model = zoo.gpt()
+    model = zoo.tiny_gpt()
     x, y = zoo.gpt_batch()
     expected_loss, expected = zoo.reference_grads(model, x, y, zoo.gpt_loss())
 
@@ -92,7 +92,7 @@ def gpt_exact(runtime: Runtime) -> list[Row]:
 
 def gpt_random(runtime: Runtime) -> list[Row]:
     """GPT with dropout and stochastic depth: loss and held gradients after one seeded step."""
-    model = zoo.gpt(drop_path=0.1, dropout=0.1)
+    model = zoo.tiny_gpt(drop_path=0.1, dropout=0.1)
     x, y = zoo.gpt_batch()
 
     def run_one(schedule: str, mode: str) -> Row:
