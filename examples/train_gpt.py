@@ -116,6 +116,31 @@ def _check_against(reference: nn.Sequential, state: dict[str, torch.Tensor],
     return f"no rank has a gradient for {missing}" if missing else None
 
 
+def sample(pipe: Pipe, data: torch.Tensor, rows: int, length: int, characters: int) -> str:
+    """Continue ``rows`` windows of the text by ``characters`` sampled characters each.
+
+    Every rank runs the pipe's forwards; the last rank, which gets the logits,
+    draws the next characters and broadcasts them. Returns the first row's text.
+    """
+    last = pipe.schedule.placement[-1]
+    windows, _ = random_windows(data, rows, length, step=-1)  # seeded apart from training
+    written = windows[0].tolist()
+    generator = torch.Generator().manual_seed(0)
+    pipe.eval()
+    with torch.no_grad():
+        for _ in range(characters):
+            logits = pipe(windows)
+            following = torch.zeros(rows, dtype=torch.long)
+            if logits is not None:
+                probabilities = torch.softmax(logits[:, -1].double() / 0.8, dim=-1)
+                following = torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+            dist.broadcast(following, src=last)
+            windows = torch.cat([windows[:, 1:], following[:, None]], dim=1)
+            written.append(int(following[0]))
+    pipe.train()
+    return "".join(CHARACTERS[i] for i in written)
+
+
 def plot_losses(losses: list[float], path: str, title: str) -> None:
     """The loss per step and its 20-step running mean, against ln(vocabulary)."""
     import matplotlib
@@ -161,6 +186,8 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--compare", action="store_true",
                         help="check every step against the unpipelined model (rank 0)")
     parser.add_argument("--plot", help="write the loss curve (PNG) here")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="after training, print a window of the text and N characters more")
     args = parser.parse_args()
     if args.compare and not args.float64:
         parser.error("--compare checks to 1e-10, which needs --float64")
@@ -204,7 +231,12 @@ def main() -> None:
         optimizer.zero_grad()
         losses.append(loss)
         progress.set_postfix(loss=f"{loss:.3f}")
+    text = sample(pipe, data, args.chunks, args.seq, args.sample) if args.sample else ""
     if rank == 0:
+        if text:
+            print(f"--- {args.seq} characters of the text, then {args.sample} sampled ---")
+            print(text)
+            print("---")
         print(f"{len(data):,} characters; loss {losses[0]:.3f} -> {losses[-1]:.3f} "
               f"over {args.steps} steps")
         if args.compare:
