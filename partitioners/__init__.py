@@ -1,12 +1,14 @@
 """Where to cut: profile a model's layers and choose balanced pipeline stages."""
 
 from partitioners.balance import balance, uniform
-from partitioners.cost import LayerCost
+from partitioners.cost import LayerCost, LossCost, Profile
 from partitioners.memory import held_microbatches, stage_memory
 from partitioners.profile import profile
 
 __all__ = [
     "LayerCost",
+    "LossCost",
+    "Profile",
     "balance",
     "held_microbatches",
     "profile",

@@ -9,7 +9,7 @@ from fractions import Fraction
 from itertools import accumulate
 from typing import Literal, cast
 
-from partitioners.cost import LayerCost
+from partitioners.cost import LayerCost, Profile
 from partitioners.feasibility import Problem
 from partitioners.memory import held_microbatches, memory_cap, stage_memory
 from partitioners.minmax import NoCutFits, smallest_memory_cap, solve
@@ -29,6 +29,7 @@ def balance(
     schedule: str | Schedule = "1f1b",
     microbatches: int | None = None,
     bandwidth: float | None = None,
+    last_stage_extra: float | None = None,
 ) -> list[int]:
     """Layers per stage: every stage non-empty, summing to ``len(costs)``.
 
@@ -55,15 +56,21 @@ def balance(
         bandwidth: bytes per second between stages. If given, each stage but the
             last also pays ``activation_bytes / bandwidth`` of its last layer, so
             cuts prefer small activations.
+        last_stage_extra: seconds the last stage pays on top of its layers, e.g.
+            the loss's forward and backward, so that a big output layer plus its
+            loss is not underestimated. None means the loss time of a Profile
+            measured with a ``loss_fn`` (``costs.loss.time``), else 0. Only
+            ``by="time"`` weighs it.
 
     Returns:
         The number of layers in each stage, in order.
 
     Raises:
         ValueError: ``stages`` outside ``1..len(costs)``, no costs, a negative or
-            non-finite cost, an unknown ``by``, options that need LayerCost given
-            plain numbers, or a memory limit no cut meets (the message says the
-            smallest that would).
+            non-finite cost or ``last_stage_extra``, an unknown ``by``, options
+            that need LayerCost given plain numbers, a ``last_stage_extra`` with a
+            ``by`` other than ``"time"``, or a memory limit no cut meets (the
+            message says the smallest that would).
     """
     layers = len(costs)
     check_stages(layers, stages)
@@ -73,15 +80,19 @@ def balance(
     if isinstance(memory_limit, float) and memory_limit == math.inf:
         memory_limit = None
     _check_options(measured, by, memory_limit, bandwidth)
+    extra = _last_stage_extra(costs, by, last_stage_extra)
     if by == "uniform":
         sizes = uniform(layers, stages)
         if memory_limit is not None:
             _check_uniform_fits(cast(_Costs, costs), sizes, memory_limit, schedule, microbatches)
         return sizes
     if not measured:
-        return solve(Problem(_exact_integers(cast(Sequence[float], costs), [])[0], stages))
+        plain = _charged_last(cast(Sequence[float], costs), extra)
+        return solve(Problem(_exact_integers(plain, [])[0], stages))
     layer_costs = cast(_Costs, costs)
-    weights = [cost.time if by == "time" else cost.param_bytes for cost in layer_costs]
+    weights = _charged_last(
+        [cost.time if by == "time" else cost.param_bytes for cost in layer_costs], extra
+    )
     send = []
     if bandwidth is not None:
         send = [Fraction(cost.activation_bytes) / _fraction(bandwidth) for cost in layer_costs]
@@ -100,6 +111,35 @@ def balance(
             f"{_schedule_name(schedule)} with {_held_text(held)}; the smallest limit "
             f"that fits is {format_bytes(smallest, exact=True)}"
         ) from None
+
+
+def _last_stage_extra(
+    costs: Sequence[LayerCost] | Sequence[float], by: str, given: float | None
+) -> float:
+    """The seconds to add to the last stage: ``given``, or a Profile's loss time."""
+    if given is None:
+        loss = costs.loss if isinstance(costs, Profile) else None
+        return loss.time if loss is not None and by == "time" else 0.0
+    if isinstance(given, bool) or not isinstance(given, numbers.Real) or not (
+        math.isfinite(given) and given >= 0
+    ):
+        raise ValueError(f"last_stage_extra must be finite seconds >= 0, got {given!r}")
+    if by != "time" and given != 0:
+        raise ValueError(f"last_stage_extra is seconds, so it needs by='time', got by={by!r}")
+    return given
+
+
+def _charged_last(weights: Sequence[float], extra: float) -> Sequence[float | Fraction]:
+    """``weights`` with ``extra`` on the last layer, which is always in the last stage.
+
+    Adding it to that layer is exactly adding it to the last stage: no cut moves
+    the last layer elsewhere, and no send cost is charged after it.
+    """
+    if not extra:
+        return weights
+    exact = [_fraction(weight) for weight in weights]
+    exact[-1] += _fraction(extra)
+    return exact
 
 
 def _smallest_limit(problem: Problem, scale: int) -> int:
@@ -199,7 +239,7 @@ def _check_uniform_fits(
 
 
 def _exact_integers(
-    weights: Sequence[float], send: Sequence[Fraction]
+    weights: Sequence[float | Fraction], send: Sequence[Fraction]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Prefix sums of ``weights`` and the ``send`` costs, as integers in one common unit."""
     exact = [_fraction(weight) for weight in weights]
@@ -208,7 +248,7 @@ def _exact_integers(
     return prefix, tuple(_scaled(value, scale) for value in send)
 
 
-def _fraction(value: float) -> Fraction:
+def _fraction(value: float | Fraction) -> Fraction:
     return Fraction(value) if isinstance(value, numbers.Rational) else Fraction(float(value))
 
 

@@ -1,9 +1,18 @@
-"""LayerCost: what one layer of a model costs in time and memory, as measured by ``profile``."""
+"""What a model costs, as measured by ``profile``: per layer (LayerCost), its loss, and both."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def _check_seconds(owner: str, values: dict[str, float]) -> None:
+    for field, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{owner}.{field}: expected seconds as a float, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{owner}.{field}: expected a finite value >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -12,11 +21,19 @@ class LayerCost:
 
     Attributes:
         forward: seconds of the forward pass.
-        backward: seconds of the backward pass (input and weight gradients).
-        param_bytes: bytes of the layer's parameters.
-        activation_bytes: bytes of the layer's output, what a cut after it sends.
+        backward: seconds of the full backward pass (input and weight gradients at once).
+        param_bytes: bytes of the layer's parameters; a parameter shared with an
+            earlier layer (a tied head) is counted there, not here.
+        activation_bytes: bytes of the layer's output, what a cut after it sends
+            (also readable as ``output_bytes``).
         saved_bytes: bytes autograd keeps for the layer's backward (parameters excluded).
         name: the layer's type name, e.g. ``"Linear"``.
+        backward_input: seconds of the input-gradient half of a split backward (I):
+            the gradient with respect to the layer's input only, graph kept. 0 when
+            the input needs no gradient (the first layer, for a sample without grad).
+        backward_weight: seconds of the weight-gradient half (W), run after I on the
+            graph I kept. 0 for a layer without parameters. ``I + W`` is usually
+            more than ``backward``: the graph is walked twice.
     """
 
     forward: float
@@ -25,14 +42,14 @@ class LayerCost:
     activation_bytes: int = 0
     saved_bytes: int = 0
     name: str = ""
+    backward_input: float = 0.0
+    backward_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("forward", "backward"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"LayerCost.{field}: expected seconds as a float, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"LayerCost.{field}: expected a finite value >= 0, got {value}")
+        _check_seconds("LayerCost", {
+            field: getattr(self, field)
+            for field in ("forward", "backward", "backward_input", "backward_weight")
+        })
         for field in ("param_bytes", "activation_bytes", "saved_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -42,3 +59,62 @@ class LayerCost:
     def time(self) -> float:
         """Forward plus backward seconds."""
         return self.forward + self.backward
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the layer's output (the same number as ``activation_bytes``)."""
+        return self.activation_bytes
+
+
+@dataclass(frozen=True)
+class LossCost:
+    """The measured cost of the loss on the last layer's output, for one micro-batch.
+
+    Attributes:
+        forward: seconds of ``loss_fn(output, target)``.
+        backward: seconds of its backward, down to the gradient of the output.
+    """
+
+    forward: float
+    backward: float
+
+    def __post_init__(self) -> None:
+        _check_seconds("LossCost", {"forward": self.forward, "backward": self.backward})
+
+    @property
+    def time(self) -> float:
+        """Forward plus backward seconds."""
+        return self.forward + self.backward
+
+
+class Profile(list[LayerCost]):
+    """What ``profile`` returns: a list of LayerCost, one per layer, and how it was measured.
+
+    It is a plain list for everything that takes one (``balance``, ``report``,
+    indexing, ``len``); the attributes say what the numbers are for.
+
+    Attributes:
+        loss: the loss's cost, if ``profile`` was given a ``loss_fn``; else None.
+            ``balance(..., by="time")`` charges its time to the last stage.
+        microbatch_size: rows (along dim 0) of the micro-batch measured; None for
+            a sample without a batch dimension.
+        device: where it was measured, e.g. ``"cpu"`` or ``"cuda:0"``.
+    """
+
+    def __init__(
+        self,
+        costs: Iterable[LayerCost],
+        loss: LossCost | None = None,
+        microbatch_size: int | None = None,
+        device: str = "cpu",
+    ) -> None:
+        super().__init__(costs)
+        self.loss = loss
+        self.microbatch_size = microbatch_size
+        self.device = device
+
+    def __repr__(self) -> str:
+        return (
+            f"Profile({list.__repr__(self)}, loss={self.loss!r}, "
+            f"microbatch_size={self.microbatch_size!r}, device={self.device!r})"
+        )

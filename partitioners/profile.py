@@ -1,27 +1,28 @@
-"""Measure each layer of an nn.Sequential: forward and backward seconds, and its bytes."""
+"""Measure each layer of an nn.Sequential at a micro-batch size: F, B, I, W seconds and bytes."""
 
 from __future__ import annotations
 
 import statistics
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from partitioners.cost import LayerCost
+from partitioners.cost import LayerCost, LossCost, Profile
+from partitioners.microbatch import first_microbatch
 from partitioners.tensors import (
     SavedBytes,
     detached,
-    nbytes,
     fresh_inputs,
+    nbytes,
     storage_pointers,
     to_device,
 )
+from partitioners.timing import run_full, run_loss, run_split
 
 Sample = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -33,14 +34,21 @@ def profile(
     warmup: int = 1,
     repeat: int = 3,
     progress: bool | None = None,
-) -> list[LayerCost]:
-    """Measure every layer of ``model`` on ``sample``, one LayerCost per layer, in order.
+    *,
+    microbatch_size: int | None = None,
+    microbatches: int | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    target: Any = None,
+) -> Profile:
+    """Measure every layer of ``model`` on one micro-batch, one LayerCost per layer, in order.
 
-    The sample flows layer to layer as in the model (a layer may take and return a
-    tuple). Each layer's forward is timed on its real input, and its backward alone,
-    given a gradient of ones shaped like its output; times are medians over
-    ``repeat`` runs after ``warmup`` runs, synchronised on CUDA. Profiling runs in
-    training mode with autograd on, on ``device``: the model is moved there and back.
+    The micro-batch flows layer to layer as in the model (a layer may take and
+    return a tuple). Per layer, on its real input: the forward; the full backward,
+    given a gradient of ones shaped like its output; and, on a second forward, the
+    split backward: I, the gradient with respect to the layer's input only (graph
+    kept), then W, the gradient with respect to its parameters. Times are medians
+    over ``repeat`` runs after ``warmup`` runs, synchronised on CUDA. Profiling runs
+    in training mode with autograd on, on ``device``: the model is moved there and back.
 
     Afterwards the model is as it was: the training flag of every module, parameter
     ``.grad`` (profiling's own gradients are dropped), buffers such as BatchNorm's
@@ -54,48 +62,109 @@ def profile(
 
     Args:
         model: the model to measure, an ``nn.Sequential`` of at least one layer.
-        sample: one micro-batch of input, a tensor or a tuple of tensors.
-        device: where to run, e.g. ``"cpu"`` or ``"cuda:0"``.
+        sample: input, a tensor or a tuple of tensors: one micro-batch, or the whole
+            batch with ``microbatch_size`` or ``microbatches``.
+        device: where to run, e.g. ``"cpu"`` or ``"cuda:0"``: the stage's device.
         warmup: untimed runs per layer before the timed ones, >= 0.
         repeat: timed runs per layer, >= 1; the median is kept.
         progress: show a progress bar over layers; None shows it when stderr is a terminal.
+        microbatch_size: measure the first ``microbatch_size`` rows (dim 0) of the
+            sample. Costs are far from linear in the rows, so measure the size the
+            pipeline will run.
+        microbatches: measure the largest of ``microbatches`` micro-batches the
+            sample's batch splits into (``ceil(rows / microbatches)`` rows, as
+            ``torch.tensor_split`` and the pipeline split it).
+        loss_fn: ``loss_fn(output, target)``, measured on the last layer's output:
+            its forward and its backward, in ``Profile.loss``.
+        target: the loss target for the whole sample (cut like the sample).
 
     Returns:
-        One LayerCost per layer: forward and backward seconds, ``param_bytes``,
-        ``activation_bytes`` (the output, what a cut after the layer sends) and
-        ``saved_bytes`` (what autograd keeps for its backward, parameters excluded,
-        measured with ``torch.autograd.graph.saved_tensors_hooks``).
+        A Profile: a list with one LayerCost per layer (forward, backward,
+        backward_input, backward_weight seconds, ``param_bytes``,
+        ``activation_bytes`` a.k.a. ``output_bytes``, the output a cut after the
+        layer sends, and ``saved_bytes``, what autograd keeps for its backward,
+        parameters excluded, counted with ``torch.autograd.graph.saved_tensors_hooks``),
+        plus ``loss``, ``microbatch_size`` and ``device``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``, or ``sample`` is not a
             tensor or a tuple of tensors.
-        ValueError: an empty model, ``warmup``/``repeat`` out of range, or a device
-            this machine does not have (e.g. ``"cuda"`` without CUDA).
-        RuntimeError: a layer failed; the message names it.
+        ValueError: an empty model, ``warmup``/``repeat``/``microbatch_size``/
+            ``microbatches`` out of range, both of the last two, ``loss_fn``
+            without ``target`` or the reverse, or a device this machine does not
+            have (e.g. ``"cuda"`` without CUDA).
+        RuntimeError: a layer or the loss failed; the message names it.
     """
     _check_arguments(model, sample, warmup, repeat)
-    target = _check_device(device)
+    if (loss_fn is None) != (target is None):
+        given = "loss_fn without a target" if target is None else "a target without loss_fn"
+        raise ValueError(f"expected loss_fn and target together, or neither; got {given}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    sample, target, rows = first_microbatch(sample, target, microbatch_size, microbatches)
+    device_ = _check_device(device)
     show = sys.stderr.isatty() if progress is None else progress
-    with _preserved(model), _forked_rng(target), torch.enable_grad():
+    with ExitStack() as stack:
+        stack.enter_context(_preserved(model))
+        if isinstance(loss_fn, nn.Module):
+            stack.enter_context(_preserved(loss_fn))
+            loss_fn.to(device_)
+        stack.enter_context(_forked_rng(device_))
+        stack.enter_context(torch.enable_grad())
         model.train()
-        model.to(target)
-        inputs = to_device(sample, target)
+        model.to(device_)
+        inputs = to_device(sample, device_)
         if warmup:
-            _warm_up(model, inputs, target)
-        costs = []
-        charged: set[int] = set()
+            _warm_up(model, inputs, device_)
         layers = tqdm(
             model, desc="profile", unit="layer", disable=not show, file=sys.stderr, leave=False
         )
-        for index, layer in enumerate(layers):
-            try:
-                cost, inputs = _measure(layer, inputs, index > 0, target, warmup, repeat, charged)
-            except Exception as error:  # noqa: BLE001 - re-raised with the layer named
-                raise RuntimeError(
-                    f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
-                ) from error
-            costs.append(cost)
-    return costs
+        costs, inputs = _measure_layers(layers, inputs, device_, warmup, repeat)
+        loss = None
+        if loss_fn is not None:
+            loss = _measure_loss(loss_fn, inputs, to_device(target, device_), device_,
+                                 warmup, repeat)
+    return Profile(costs, loss=loss, microbatch_size=rows, device=str(device_))
+
+
+def _measure_layers(
+    layers: Any, inputs: Any, device: torch.device, warmup: int, repeat: int
+) -> tuple[list[LayerCost], Any]:
+    """Every layer's cost, in order, and the last layer's (detached) output."""
+    costs = []
+    charged: set[int] = set()
+    for index, layer in enumerate(layers):
+        try:
+            cost, inputs = _measure(layer, inputs, index > 0, device, warmup, repeat, charged)
+        except Exception as error:  # noqa: BLE001 - re-raised with the layer named
+            raise RuntimeError(
+                f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
+            ) from error
+        costs.append(cost)
+    return costs, inputs
+
+
+def _measure_loss(
+    loss_fn: Callable[..., Any],
+    output: Any,
+    target: Any,
+    device: torch.device,
+    warmup: int,
+    repeat: int,
+) -> LossCost:
+    forwards, backwards = [], []
+    for run in range(warmup + repeat):
+        try:
+            forward, backward = run_loss(loss_fn, output, target, device)
+        except Exception as error:  # noqa: BLE001 - re-raised with the loss named
+            raise RuntimeError(
+                f"profiling the loss ({getattr(loss_fn, '__name__', type(loss_fn).__name__)}) "
+                f"on the last layer's output failed: {error}"
+            ) from error
+        if run >= warmup:
+            forwards.append(forward)
+            backwards.append(backward)
+    return LossCost(statistics.median(forwards), statistics.median(backwards))
 
 
 def _check_arguments(model: Any, sample: Any, warmup: int, repeat: int) -> None:
@@ -154,21 +223,25 @@ def _measure(
         output = layer(fresh_inputs(inputs, grad_input)[0])
     activation_bytes = nbytes(output)
     del output
-    forwards, backwards = [], []
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
     for run in range(warmup + repeat):
-        forward, backward, output = _run(layer, inputs, grad_input, device)
+        forward, backward, output = run_full(layer, inputs, grad_input, device)
         for parameter in layer.parameters():
             parameter.grad = None
+        backward_input, backward_weight = run_split(layer, inputs, grad_input, device)
         if run >= warmup:
-            forwards.append(forward)
-            backwards.append(backward)
+            for key, value in zip(times, (forward, backward, backward_input, backward_weight)):
+                times[key].append(value)
+    median = {key: statistics.median(values) for key, values in times.items()}
     cost = LayerCost(
-        forward=statistics.median(forwards),
-        backward=statistics.median(backwards),
+        forward=median["forward"],
+        backward=median["backward"],
         param_bytes=_charge(layer, charged),
         activation_bytes=activation_bytes,
         saved_bytes=counter.total,
         name=type(layer).__name__,
+        backward_input=median["input"],
+        backward_weight=median["weight"],
     )
     return cost, detached(output)
 
@@ -190,41 +263,11 @@ def _warm_up(model: nn.Sequential, inputs: Any, device: torch.device) -> None:
     otherwise land on the first layers' timed runs, whatever their own warm-up.
     """
     try:
-        _run(model, inputs, False, device)
+        run_full(model, inputs, False, device)
     except Exception:  # noqa: BLE001 - the per-layer pass reports the failing layer
         pass
     for parameter in model.parameters():
         parameter.grad = None
-
-
-def _run(
-    layer: nn.Module, inputs: Any, grad_input: bool, device: torch.device
-) -> tuple[float, float, Any]:
-    """One forward and one backward of ``layer``, each timed: (seconds, seconds, output)."""
-    fresh, _ = fresh_inputs(inputs, grad_input)
-    _synchronize(device)
-    start = time.perf_counter()
-    output = layer(fresh)
-    _synchronize(device)
-    forward = time.perf_counter() - start
-    items = output if isinstance(output, (tuple, list)) else (output,)
-    roots = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
-    grads = [torch.ones_like(t) for t in roots]
-    _synchronize(device)
-    start = time.perf_counter()
-    if roots:
-        torch.autograd.backward(roots, grads)
-    _synchronize(device)
-    return forward, time.perf_counter() - start, output
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type != "cpu":
-        backend = getattr(torch, device.type, None)
-        if backend is not None and hasattr(backend, "synchronize"):
-            backend.synchronize()
 
 
 @contextmanager

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partitioners.cost import LayerCost
+from partitioners.cost import LayerCost, LossCost, Profile
 from partitioners.units import format_bytes
 from schedules import Timeline, get_schedule, simulate
 
@@ -25,6 +25,8 @@ class StageReport:
         held: micro-batches whose saved bytes it holds at once under the schedule.
         send_bytes: the activation it sends to the next stage (0 for the last).
         send_time: seconds to send it, given a bandwidth (else 0).
+        loss: seconds of the loss's forward and backward, run by the last stage
+            (else 0); not in ``forward``/``backward``, which are the layers'.
     """
 
     first: int
@@ -38,6 +40,7 @@ class StageReport:
     held: float
     send_bytes: int
     send_time: float = 0.0
+    loss: float = 0.0
 
     @property
     def time(self) -> float:
@@ -46,8 +49,8 @@ class StageReport:
 
     @property
     def cost(self) -> float:
-        """What ``balance`` weighs: forward, backward and the send, in seconds."""
-        return self.time + self.send_time
+        """What ``balance`` weighs: forward, backward, the send and the loss, in seconds."""
+        return self.time + self.send_time + self.loss
 
     @property
     def activation_memory(self) -> float:
@@ -93,13 +96,18 @@ def report(
     schedule: str,
     microbatches: int,
     bandwidth: float | None = None,
+    loss: LossCost | None = None,
 ) -> CutReport:
     """Summarise the cut ``sizes`` of ``costs`` and simulate it under ``schedule``.
 
     With ``bandwidth``, each stage but the last also costs its send time, as in
     ``balance``; in the simulation every cross-stage transfer takes the largest
-    boundary activation's send time (a conservative single figure).
+    boundary activation's send time (a conservative single figure). The last
+    stage also runs ``loss`` (None: the loss of a Profile measured with a
+    ``loss_fn``), its forward after the last layer's, its backward before.
     """
+    if loss is None and isinstance(costs, Profile):
+        loss = costs.loss
     total = sum(cost.time for cost in costs) or 1.0
     stages, start = [], 0
     for stage, size in enumerate(sizes):
@@ -118,14 +126,20 @@ def report(
                 held=held[stage],
                 send_bytes=0 if last else layers[-1].activation_bytes,
                 send_time=0.0 if last or not bandwidth else layers[-1].activation_bytes / bandwidth,
+                loss=loss.time if last and loss is not None else 0.0,
             )
         )
         start += size
     comm = max(stage.send_time for stage in stages)
+    forward = [stage.forward for stage in stages]
+    backward = [stage.backward for stage in stages]
+    if loss is not None:
+        forward[-1] += loss.forward
+        backward[-1] += loss.backward
     timeline = simulate(
         get_schedule(schedule, len(sizes), microbatches),
-        forward=[stage.forward for stage in stages],
-        backward=[stage.backward for stage in stages],
+        forward=forward,
+        backward=backward,
         comm=comm,
     )
     return CutReport(tuple(sizes), tuple(stages), timeline, schedule, microbatches)
@@ -171,6 +185,11 @@ def stage_table(cut: CutReport) -> str:
         f"{'total':>5}  {'':<9} {'':<30} {forward * 1e3:>9.3f} {backward * 1e3:>9.3f} "
         f"{1:>6.1%}  {format_bytes(params):>10}"
     )
+    if cut.stages[-1].loss:
+        lines.append(
+            f"(stage {len(cut.stages) - 1} also runs the loss: "
+            f"{cut.stages[-1].loss * 1e3:.3f} ms forward and backward)"
+        )
     return "\n".join(lines)
 
 
@@ -226,6 +245,7 @@ def to_data(cut: CutReport) -> dict[str, Any]:
                 "memory_bytes": stage.memory,
                 "send_bytes": stage.send_bytes,
                 "send_ms": stage.send_time * 1e3,
+                "loss_ms": stage.loss * 1e3,
             }
             for index, stage in enumerate(cut.stages)
         ],

@@ -17,14 +17,20 @@ def cuts(layers: int, stages: int) -> Iterator[Sizes]:
 
 
 def stage_costs(
-    weights: Sequence[float], sizes: Sizes, send: Sequence[Fraction] | None = None
+    weights: Sequence[float],
+    sizes: Sizes,
+    send: Sequence[Fraction] | None = None,
+    last_extra: float = 0,
 ) -> list[Fraction]:
-    """Exact per-stage sums; with ``send``, a stage but the last adds its last layer's."""
+    """Exact per-stage sums; with ``send``, a stage but the last adds its last layer's;
+    the last stage adds ``last_extra``."""
     costs, start = [], 0
     for stage, size in enumerate(sizes):
         cost = sum((Fraction(w) for w in weights[start : start + size]), Fraction(0))
         if send is not None and stage < len(sizes) - 1:
             cost += send[start + size - 1]
+        if stage == len(sizes) - 1:
+            cost += Fraction(last_extra)
         costs.append(cost)
         start += size
     return costs
@@ -41,13 +47,14 @@ def best_top_two(
     stages: int,
     send: Sequence[Fraction] | None = None,
     allowed: Callable[[Sizes], bool] | None = None,
+    last_extra: float = 0,
 ) -> tuple[Fraction, Fraction] | None:
     """The lexicographically smallest (slowest, second) over allowed cuts; None if none is."""
     best = None
     for sizes in cuts(len(weights), stages):
         if allowed is not None and not allowed(sizes):
             continue
-        key = top_two(stage_costs(weights, sizes, send))
+        key = top_two(stage_costs(weights, sizes, send, last_extra))
         if best is None or key < best:
             best = key
     return best

@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balance_brute import best_top_two, cuts, stage_costs, top_two
-from partitioners import LayerCost, balance, held_microbatches, stage_memory, uniform
+from partitioners import (
+    LayerCost,
+    LossCost,
+    Profile,
+    balance,
+    held_microbatches,
+    stage_memory,
+    uniform,
+)
 
 
 def random_weights(rng: random.Random, layers: int) -> list[float]:
@@ -194,6 +202,65 @@ def test_bandwidth_prefers_cutting_at_small_activations() -> None:
     # Cutting after layer 1 sends 100 bytes (2 s at 50 B/s): stage 0 would take 4 s.
     # Cutting after layer 0 sends 1 byte: stages take 1.02 s and 3 s.
     assert balance(costs, 2, bandwidth=50.0) == [1, 3]
+
+
+def test_last_stage_extra_matches_brute_force() -> None:
+    rng = random.Random(19)
+    moved = 0
+    for _ in range(300):
+        layers = rng.randint(1, 10)
+        stages = rng.randint(1, min(5, layers))
+        costs = random_costs(rng, layers)
+        extra = rng.choice([0, 1, 2.5, rng.random() * 4, 7])
+        bandwidth = rng.choice([None, 10.0])
+        limit = rng.choice([None, rng.randint(60, 400)])
+        weights = [cost.time for cost in costs]
+        send = None
+        if bandwidth is not None:
+            send = [Fraction(cost.activation_bytes) / Fraction(bandwidth) for cost in costs]
+        held = held_microbatches("1f1b", stages, None)
+        allowed = None if limit is None else memory_fits(costs, held, limit)
+        expected = best_top_two(weights, stages, send=send, allowed=allowed, last_extra=extra)
+        options = {"memory_limit": limit, "bandwidth": bandwidth, "last_stage_extra": extra}
+        if expected is None:
+            with pytest.raises(ValueError):
+                balance(costs, stages, **options)
+            continue
+        sizes = balance(costs, stages, **options)
+        check_sizes(sizes, layers, stages)
+        assert top_two(stage_costs(weights, sizes, send, extra)) == expected, (costs, extra)
+        moved += sizes != balance(costs, stages, memory_limit=limit, bandwidth=bandwidth)
+        # Plain weights take it too.
+        if bandwidth is None and limit is None:
+            plain = balance(weights, stages, last_stage_extra=extra)
+            assert top_two(stage_costs(weights, plain, None, extra)) == expected
+    assert moved > 20  # the extra changes the cut often enough to be tested
+
+
+def test_a_profiles_loss_is_charged_to_the_last_stage() -> None:
+    # Four equal layers; the loss costs two layers' time: time alone says [2, 2].
+    layers = [LayerCost(1.0, 2.0, param_bytes=100, name="Linear") for _ in range(4)]
+    assert balance(layers, 2) == [2, 2]
+    measured = Profile(layers, loss=LossCost(forward=2.0, backward=4.0))
+    assert balance(measured, 2) == [3, 1]
+    assert balance(measured, 2, last_stage_extra=0) == [2, 2]  # 0 turns it off
+    assert balance(layers, 2, last_stage_extra=6.0) == [3, 1]
+    assert balance(measured, 2, by="params") == [2, 2]  # bytes: the loss time is no weight
+    assert balance(measured, 2, by="uniform") == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("options", "pattern"),
+    [
+        ({"last_stage_extra": -1.0}, r"last_stage_extra must be finite seconds >= 0, got -1.0"),
+        ({"last_stage_extra": float("inf")}, r"last_stage_extra must be finite"),
+        ({"last_stage_extra": "1"}, r"last_stage_extra must be finite seconds >= 0, got '1'"),
+        ({"last_stage_extra": 1.0, "by": "params"}, r"needs by='time', got by='params'"),
+    ],
+)
+def test_bad_last_stage_extra(options: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        balance([LayerCost(1.0, 1.0), LayerCost(1.0, 1.0)], 2, **options)
 
 
 def test_20000_weights_into_64_stages_take_under_a_second() -> None:

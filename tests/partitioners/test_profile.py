@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from partitioners import LayerCost, balance, profile
+from partitioners import LayerCost, LossCost, Profile, balance, profile
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,10 @@ def test_bytes_of_a_linear_and_a_relu() -> None:
         activation_bytes=batch * 2 * width * 4,
         saved_bytes=batch * width * 4,  # its input; the weight is a parameter, not counted
         name="Linear",
+        backward_input=0.0,  # the first layer: the sample needs no gradient
+        backward_weight=linear.backward_weight,
     )
+    assert linear.output_bytes == linear.activation_bytes
     assert relu.param_bytes == 0
     assert relu.activation_bytes == batch * 2 * width * 4
     assert relu.saved_bytes == batch * 2 * width * 4  # its output
@@ -76,7 +79,9 @@ def test_tuple_inputs_and_outputs_flow_layer_to_layer() -> None:
     costs = profile(model, torch.randn(6, 5), warmup=0, repeat=2)
     assert [cost.name for cost in costs] == ["Split", "Join", "Linear"]
     assert costs[0].activation_bytes == 6 * 5 * 4
-    assert all(cost.backward > 0 for cost in costs)
+    # Split's input needs no gradient and it has no parameters: nothing to differentiate.
+    assert costs[0].backward == costs[0].backward_input == costs[0].backward_weight == 0.0
+    assert all(cost.backward > 0 and cost.backward_input > 0 for cost in costs[1:])
     # A tuple sample whose second tensor is integer: it passes through without a gradient.
     model = nn.Sequential(Pairwise(), Pairwise())
     sample = (torch.randn(2, 5), torch.zeros(2, 3, dtype=torch.int64))
@@ -197,3 +202,103 @@ def test_errors_say_what_was_expected() -> None:
         profile(nn.Sequential(nn.ReLU()), torch.randn(1), warmup=-1)
     with pytest.raises(RuntimeError, match=r"profiling layer 1 \(Linear\) failed"):
         profile(nn.Sequential(nn.Linear(2, 3), nn.Linear(2, 2)), torch.randn(1, 2))
+
+
+class HeavyInput(nn.Module):
+    """The input gradient is costly (matmuls through a fixed matrix), the weight's trivial."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mix", torch.randn(width, width) / width**0.5)
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(12):
+            x = x @ self.mix
+        return x + self.bias
+
+
+class HeavyWeight(nn.Module):
+    """The weight gradient is costly (matmuls of the weight), the input's trivial."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        for _ in range(12):
+            w = w @ self.weight
+        return x + w[0]
+
+
+def test_split_backward_times_the_input_and_weight_gradients_apart() -> None:
+    torch.manual_seed(0)
+    width = 192
+    model = nn.Sequential(nn.Identity(), HeavyInput(width), HeavyWeight(width), nn.ReLU())
+    costs = profile(model, torch.randn(width, width), warmup=1, repeat=3)
+    heavy_input, heavy_weight, relu = costs[1], costs[2], costs[3]
+    assert heavy_input.backward_input > 5 * heavy_input.backward_weight, heavy_input
+    assert heavy_weight.backward_weight > 5 * heavy_weight.backward_input, heavy_weight
+    assert relu.backward_weight == 0.0 and relu.backward_input > 0
+    assert costs[0].backward_input == 0.0  # the sample needs no gradient
+
+
+def test_costs_at_a_micro_batch_size() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batch = torch.randn(64, 8)
+    whole = profile(model, batch, warmup=0, repeat=1)
+    assert isinstance(whole, Profile) and isinstance(whole, list)
+    assert whole.microbatch_size == 64 and whole.loss is None and whole.device == "cpu"
+    part = profile(model, batch, warmup=0, repeat=1, microbatch_size=8)
+    assert part.microbatch_size == 8
+    assert [c.output_bytes for c in part] == [8 * 16 * 4, 8 * 16 * 4, 8 * 4 * 4]
+    assert [c.saved_bytes for c in part] == [8 * 8 * 4, 8 * 16 * 4, 8 * 16 * 4]
+    # 64 rows into 3 micro-batches: the largest, the first, has 22 (torch.tensor_split).
+    split = profile(model, batch, warmup=0, repeat=1, microbatches=3)
+    assert split.microbatch_size == 22 and split[0].output_bytes == 22 * 16 * 4
+
+
+def test_loss_time_is_measured_apart_and_the_target_is_cut_too() -> None:
+    model = nn.Sequential(nn.Linear(8, 10))
+    batch, target = torch.randn(32, 8), torch.randint(0, 10, (32,))
+    seen: list[tuple[int, int]] = []
+
+    def loss_fn(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append((output.shape[0], labels.shape[0]))
+        return nn.functional.cross_entropy(output, labels)
+
+    costs = profile(model, batch, warmup=0, repeat=2, microbatches=4, loss_fn=loss_fn,
+                    target=target)
+    assert isinstance(costs.loss, LossCost)
+    assert costs.loss.forward > 0 and costs.loss.backward > 0
+    assert seen == [(8, 8), (8, 8)]
+    weighted = nn.CrossEntropyLoss(weight=torch.ones(10))
+    assert profile(model, batch, loss_fn=weighted, target=target, repeat=1).loss is not None
+    assert weighted.weight.device.type == "cpu"
+
+
+def broken_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    raise ValueError("no labels")
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "pattern"),
+    [
+        ({"microbatch_size": 65}, ValueError, r"microbatch_size=65 is more than the sample's 64"),
+        ({"microbatches": 65}, ValueError, r"64 rows cannot be split into 65 micro-batches"),
+        ({"microbatches": 0}, ValueError, r"microbatches must be an int >= 1, got 0"),
+        ({"microbatches": 2, "microbatch_size": 2}, ValueError, r"not both"),
+        ({"loss_fn": nn.MSELoss()}, ValueError, r"got loss_fn without a target"),
+        ({"target": torch.zeros(64)}, ValueError, r"got a target without loss_fn"),
+        ({"loss_fn": 3, "target": torch.zeros(64)}, TypeError, r"loss_fn must be callable"),
+        ({"loss_fn": nn.MSELoss(), "target": torch.zeros(63, 4), "microbatches": 2},
+         ValueError, r"target must have the sample's 64 rows .* got 63"),
+        ({"loss_fn": broken_loss, "target": torch.zeros(64)}, RuntimeError,
+         r"profiling the loss \(broken_loss\) on the last layer's output failed: no labels"),
+    ],
+)
+def test_micro_batch_and_loss_errors(options: dict, error: type, pattern: str) -> None:
+    model = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(error, match=pattern):
+        profile(model, torch.randn(64, 8), warmup=0, repeat=1, **options)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioners import LayerCost, held_microbatches
+from partitioners import LayerCost, LossCost, Profile, held_microbatches
 from partitioners.report import comparison_table, layer_types, report, stage_table, to_data
 
 
@@ -62,3 +62,19 @@ def test_layer_types_compress_runs_and_truncate() -> None:
     assert layer_types(["Linear", "ReLU", "ReLU"]) == "Linear, ReLU x2"
     long = layer_types(["TransformerEncoderLayer", "LayerNorm", "Linear"], width=20)
     assert len(long) == 20 and long.endswith("...")
+
+
+def test_the_last_stage_runs_the_loss() -> None:
+    held = held_microbatches("1f1b", 2, 4)
+    plain = report(costs(), [2, 1], held, "1f1b", 4)
+    measured = Profile(costs(), loss=LossCost(forward=1e-3, backward=2e-3))
+    cut = report(measured, [2, 1], held, "1f1b", 4)
+    first, second = cut.stages
+    assert first.loss == 0 and second.loss == pytest.approx(3e-3)
+    assert second.cost == pytest.approx(second.time + 3e-3)
+    assert second.backward == plain.stages[1].backward  # the layers' own times, as before
+    # The slow last stage runs 4 forwards and 4 backwards, each now with its loss.
+    assert cut.step_time == pytest.approx(plain.step_time + 4 * 3e-3)
+    assert "also runs the loss: 3.000 ms" in stage_table(cut)
+    assert "also runs the loss" not in stage_table(plain)
+    assert to_data(cut)["stages"][1]["loss_ms"] == pytest.approx(3.0)

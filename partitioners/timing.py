@@ -1,0 +1,98 @@
+"""Time one module on fresh inputs: forward, full backward, split backward (I then W), a loss.
+
+Every run feeds the module a private copy of its input (``fresh_inputs``), so an
+in-place module cannot change what the next run or the caller sees. Clocks are
+read after a device synchronisation, so queued GPU work lands on the op that
+queued it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from partitioners.tensors import fresh_inputs
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu":
+        backend = getattr(torch, device.type, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize()
+
+
+def _roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The output tensors that need a gradient, and a gradient of ones for each."""
+    items = output if isinstance(output, (tuple, list)) else (output,)
+    roots = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _timed(device: torch.device, work: Callable[[], Any]) -> tuple[float, Any]:
+    synchronize(device)
+    start = time.perf_counter()
+    result = work()
+    synchronize(device)
+    return time.perf_counter() - start, result
+
+
+def run_full(
+    module: nn.Module, inputs: Any, grad_input: bool, device: torch.device
+) -> tuple[float, float, Any]:
+    """One forward and one full backward: (forward seconds, backward seconds, output).
+
+    Parameter gradients accumulate in ``.grad``; the caller clears them.
+    """
+    fresh, _ = fresh_inputs(inputs, grad_input)
+    forward, output = _timed(device, lambda: module(fresh))
+    roots, grads = _roots(output)
+    backward = 0.0
+    if roots:
+        backward, _ = _timed(device, lambda: torch.autograd.backward(roots, grads))
+    return forward, backward, output
+
+
+def run_split(
+    module: nn.Module, inputs: Any, grad_input: bool, device: torch.device
+) -> tuple[float, float]:
+    """A forward (untimed), then the split backward: (I seconds, W seconds).
+
+    I is the gradient with respect to the module's input only, keeping the graph;
+    W is then the gradient with respect to its parameters, on that graph. Neither
+    touches ``.grad``. Either is 0 where there is nothing to differentiate.
+    """
+    fresh, leaves = fresh_inputs(inputs, grad_input)
+    roots, grads = _roots(module(fresh))
+    weights = [p for p in module.parameters() if p.requires_grad]
+    if not roots:
+        return 0.0, 0.0
+    backward_input = backward_weight = 0.0
+    if leaves:
+        backward_input, _ = _timed(device, lambda: torch.autograd.grad(
+            roots, leaves, grads, retain_graph=bool(weights), allow_unused=True
+        ))
+    if weights:
+        backward_weight, _ = _timed(device, lambda: torch.autograd.grad(
+            roots, weights, grads, allow_unused=True
+        ))
+    return backward_input, backward_weight
+
+
+def run_loss(
+    loss_fn: Callable[..., Any], output: Any, target: Any, device: torch.device
+) -> tuple[float, float]:
+    """The loss on ``output`` (a fresh leaf needing grad) and ``target``: (forward, backward)."""
+    fresh, _ = fresh_inputs(output, True)
+    forward, loss = _timed(device, lambda: loss_fn(fresh, target))
+    roots, grads = _roots(loss)
+    backward = 0.0
+    if roots:
+        backward, _ = _timed(device, lambda: torch.autograd.backward(roots, grads))
+    return forward, backward
