@@ -1,4 +1,4 @@
-"""microbatch: the rows a pipeline's largest micro-batch has, and the sample and target cut to it."""
+"""microbatch: the largest micro-batch's rows, and the sample and target cut to it."""
 
 from __future__ import annotations
 
