@@ -7,8 +7,9 @@
   schedule and checkpoint mode gives the same loss and gradients.
 - ResNet (BatchNorm, in-place ReLU first in a stage, weighted and smoothed
   cross-entropy): loss and gradients equal the unpipelined model run micro-batch
-  by micro-batch; BatchNorm's running statistics equal one whole-batch forward's
-  with ``deferred_batch_norm=True``, one update per micro-batch without.
+  by micro-batch; with ``deferred_batch_norm=True`` each BatchNorm updates its
+  running statistics once, with every row it saw in the step (for the first one,
+  exactly a whole-batch forward's), and once per micro-batch without.
 - ResNet on an input that requires grad: ``x.grad`` equals the unpipelined one.
 
 Each sweep runs once per runtime (the ranks in a single launch) and is shared by
@@ -138,3 +139,17 @@ def test_input_gradient_equals_the_unpipelined_one(runtime: str) -> None:
     if not errors:
         assert holders == len(zoo_workers.combinations()), "x.grad checked once per combination"
     assert not problems, _report(problems)
+
+
+def test_deferred_statistics_reference_is_a_whole_batch_forward_where_it_can_be() -> None:
+    """The first BatchNorm sees the same rows either way: its deferred update is exactly a
+    whole-batch forward's. Deeper ones see rows normalised per micro-batch, so they differ."""
+    model = zoo.resnet()
+    x, y = zoo.image_batch()
+    deferred = zoo.microbatch_reference(model, x, y, zoo.resnet_loss(), 4).deferred_statistics
+    whole = zoo.whole_batch_statistics(model, x)
+    assert set(deferred) == set(whole)
+    first = [key for key in whole if key.startswith("1.")]
+    assert len(first) == 3
+    assert max(zoo.difference(deferred[k].double(), whole[k].double()) for k in first) < TOLERANCE
+    assert zoo.difference(deferred["5.norm2.running_var"], whole["5.norm2.running_var"]) > 1e-6

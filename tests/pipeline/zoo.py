@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -154,23 +155,39 @@ def class_weight_of(loss_fn: nn.Module, target: torch.Tensor) -> float:
     return float(weight[counted].sum())
 
 
+@dataclass(frozen=True)
+class MicrobatchReference:
+    """What a pipelined step of a model with BatchNorm must leave (see ``microbatch_reference``)."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]  # per_layer_grads' keys
+    statistics: dict[str, torch.Tensor]  # BatchNorm buffers, one update per micro-batch
+    deferred_statistics: dict[str, torch.Tensor]  # one update per step (deferred_batch_norm)
+    input_grad: torch.Tensor
+
+
 def microbatch_reference(
     model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, loss_fn: nn.Module, chunks: int
-) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+) -> MicrobatchReference:
     """The unpipelined model run micro-batch by micro-batch, as a pipeline with BatchNorm must.
 
     A batch-coupled layer (BatchNorm in training mode) normalises each micro-batch by
     its own statistics, so a pipeline cannot equal one whole-batch forward; it can equal
     this: the same micro-batches (``torch.tensor_split``) in order, each loss weighted by
     its share of the whole batch's class weight, so that without BatchNorm the sum is the
-    whole-batch loss exactly.
-
-    Returns:
-        The loss, the per-layer gradients, the buffers (BatchNorm running statistics
-        after one forward per micro-batch), and the gradient of ``x``.
+    whole-batch loss exactly. BatchNorm's running statistics either take one update per
+    micro-batch, or (deferred) one per step, with the mean and unbiased variance of
+    every row the layer saw in the step. For the first BatchNorm that is what one
+    whole-batch forward gives; deeper ones see inputs normalised per micro-batch.
     """
     model = copy.deepcopy(model)
     model.zero_grad(set_to_none=True)
+    before = _statistics(model)
+    seen: dict[str, list[torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.register_forward_pre_hook(
+                lambda _, inputs, name=name: seen.setdefault(name, []).append(inputs[0].detach()))
     x = x.detach().clone().requires_grad_(True)
     total_weight = class_weight_of(loss_fn, y)
     total = torch.zeros((), dtype=DTYPE)
@@ -182,10 +199,32 @@ def microbatch_reference(
         loss = loss_fn(output, part_y) * share
         loss.backward()
         total += loss.detach()
-    buffers = {key: value.clone() for key, value in model.state_dict().items()
-               if "running" in key or "num_batches" in key}
     assert x.grad is not None
-    return float(total), per_layer_grads(model), buffers, x.grad.clone()
+    return MicrobatchReference(float(total), per_layer_grads(model), _statistics(model),
+                               _deferred(model, before, seen), x.grad.clone())
+
+
+def _statistics(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in model.state_dict().items()
+            if "running" in key or "num_batches" in key}
+
+
+def _deferred(model: nn.Module, before: dict[str, torch.Tensor],
+              seen: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Running statistics after one momentum update per layer with all the rows it saw."""
+    result = {}
+    for name, module in model.named_modules():
+        if name not in seen:
+            continue
+        rows = torch.cat(seen[name])
+        dims = [d for d in range(rows.dim()) if d != 1]
+        momentum = module.momentum
+        result[f"{name}.running_mean"] = ((1 - momentum) * before[f"{name}.running_mean"]
+                                          + momentum * rows.mean(dim=dims))
+        result[f"{name}.running_var"] = ((1 - momentum) * before[f"{name}.running_var"]
+                                         + momentum * rows.var(dim=dims, unbiased=True))
+        result[f"{name}.num_batches_tracked"] = before[f"{name}.num_batches_tracked"] + 1
+    return result
 
 
 def whole_batch_statistics(model: nn.Sequential, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -193,8 +232,7 @@ def whole_batch_statistics(model: nn.Sequential, x: torch.Tensor) -> dict[str, t
     model = copy.deepcopy(model).train()
     with torch.no_grad():
         model(x)
-    return {key: value.clone() for key, value in model.state_dict().items()
-            if "running" in key or "num_batches" in key}
+    return _statistics(model)
 
 
 def difference(left: torch.Tensor, right: torch.Tensor) -> float:

@@ -112,16 +112,16 @@ def resnet_statistics(runtime: Runtime, deferred: bool) -> list[Row]:
     """ResNet cut before an in-place ReLU: loss, gradients and BatchNorm buffers.
 
     Gradients are compared with the unpipelined model run micro-batch by micro-batch
-    (BatchNorm normalises by micro-batch statistics); the running statistics with the
-    whole batch's (``deferred``) or with one update per micro-batch.
+    (BatchNorm normalises by micro-batch statistics), the running statistics with one
+    update per step (``deferred``) or one per micro-batch.
     """
     from schedules import get_schedule
 
     model = zoo.resnet()
     x, y = zoo.image_batch()
-    expected_loss, expected, per_microbatch, _ = zoo.microbatch_reference(
-        model, x, y, zoo.resnet_loss(), CHUNKS)
-    statistics = zoo.whole_batch_statistics(model, x) if deferred else per_microbatch
+    reference = zoo.microbatch_reference(model, x, y, zoo.resnet_loss(), CHUNKS)
+    expected_loss, expected = reference.loss, reference.grads
+    statistics = reference.deferred_statistics if deferred else reference.statistics
 
     def run_one(schedule: str, mode: str) -> Row:
         trained = copy.deepcopy(model)
@@ -141,7 +141,7 @@ def input_grad(runtime: Runtime) -> list[Row]:
     """ResNet (uniform cut) on an input that requires grad: ``x.grad`` where x was read."""
     model = zoo.resnet()
     images, y = zoo.image_batch()
-    _, _, _, expected = zoo.microbatch_reference(model, images, y, zoo.resnet_loss(), CHUNKS)
+    expected = zoo.microbatch_reference(model, images, y, zoo.resnet_loss(), CHUNKS).input_grad
 
     def run_one(schedule: str, mode: str) -> Row:
         trained = copy.deepcopy(model)
