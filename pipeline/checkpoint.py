@@ -1,18 +1,30 @@
-"""Activation recomputation modes and the per-micro-batch RNG that makes them exact.
+"""Activation recomputation modes, and the per-layer RNG streams that make them exact.
 
 Why it is built this way: a stage that recomputes a forward right before its
-backward must see the very same random numbers (dropout masks) that the first
-forward saw, or the gradients belong to a different network. Saving and
-restoring the global RNG state around each forward is not enough when several
-stages run as threads in one process: they share the CPU generator (and a GPU
-generator per device), so the state a forward sees would depend on thread
-timing. Instead every (chunk, micro-batch) forward runs under its own seed,
-derived from one number drawn per step from the caller's generator; the
-recomputation reuses that seed. Results then depend neither on timing nor on
-the recomputation mode, and the same global seed gives the same step twice.
-Forwards of chunks that draw random numbers take a per-device lock while they
-run, because the generator itself is shared; chunks without stochastic layers
-never touch it and run unlocked.
+backward must see the very same random numbers (dropout masks, stochastic
+depth, ``torch.bernoulli`` in a custom block) that the first forward saw, or
+the gradients belong to a different network. Saving and restoring the global
+RNG state around each forward is not enough when several stages run as
+threads in one process: they share the CPU generator (and a GPU generator per
+device), so the state a forward sees would depend on thread timing. And a
+stream per model chunk would make the numbers depend on where the model was
+cut, so two schedules would train two different networks.
+
+The contract: at the start of a step one number is drawn from the caller's
+generator; every (layer, micro-batch) forward that draws random numbers runs
+under its own seed derived from that number, the layer's index in the model
+and the micro-batch's index, on the generator of the layer's device. The
+recomputation reuses that seed. For one global seed the numbers therefore
+depend neither on the schedule, the cut, the checkpoint mode nor on thread
+timing, and the same seed gives the same step twice (the unpipelined model,
+which draws from one stream, sees other numbers).
+
+Which layers draw is not declared: the first micro-batch of each step runs
+every layer under its seed and checks whether the generator moved. Layers that
+drew keep their seed (and, with threads, a per-device lock, since the generator
+itself is shared) for the rest of the step; layers that did not run unlocked,
+so stages without randomness still overlap. A layer that draws only for some
+inputs of a step must draw for the first micro-batch too, or it is not seeded.
 """
 
 from __future__ import annotations
@@ -23,12 +35,9 @@ from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
-from torch import nn
 
 CheckpointMode = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
-
-_STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.RReLU)
 
 
 def check_mode(mode: str) -> CheckpointMode:
@@ -49,36 +58,43 @@ def recomputes(mode: CheckpointMode, microbatch: int, microbatches: int) -> bool
     return False
 
 
-def is_stochastic(module: nn.Module) -> bool:
-    """Whether a module (or a submodule) draws random numbers in training mode.
-
-    ``Dropout(p=0)`` (as in many ``TransformerEncoderLayer``s) draws none.
-    """
-    return any(
-        isinstance(m, _STOCHASTIC) and m.training and getattr(m, "p", 1.0) > 0
-        for m in module.modules()
-    )
-
-
 def step_seed() -> int:
     """One number drawn from the default generator: the base of a step's seeds."""
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def microbatch_seed(base: int, chunk: int, microbatch: int) -> int:
-    """The seed of one (chunk, micro-batch) forward within a step."""
-    return (base * 1_000_003 + chunk * 10_007 + microbatch) % (2**63 - 1)
+def layer_seed(base: int, layer: int, microbatch: int) -> int:
+    """The seed of one (layer, micro-batch) forward within a step."""
+    return (base * 1_000_003 + layer * 10_007 + microbatch) % (2**63 - 1)
+
+
+class Probe:
+    """Tells whether the body of a ``seeded`` block drew from the device's generator."""
+
+    def __init__(self, device: torch.device, watch: bool) -> None:
+        self.device = device
+        self._before = _generator_state(device) if watch else None
+
+    def drew(self) -> bool:
+        if self._before is None:
+            return True
+        return not torch.equal(self._before, _generator_state(self.device))
+
+
+def _generator_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
 
 
 @contextmanager
-def seeded(device: torch.device, seed: int | None, lock: threading.Lock | None) -> Iterator[None]:
+def seeded(
+    device: torch.device, seed: int, lock: threading.Lock | None, watch: bool = False
+) -> Iterator[Probe]:
     """Run the body under ``seed`` on ``device``'s generator, restoring it afterwards.
 
-    ``seed=None`` means the body draws no random numbers: nothing is forked.
+    With ``watch``, the yielded Probe tells afterwards whether the body drew numbers.
     """
-    if seed is None:
-        yield
-        return
     cuda = [device] if device.type == "cuda" else []
     with lock if lock is not None else nullcontext(), torch.random.fork_rng(devices=cuda):
         if device.type == "cuda":
@@ -86,4 +102,4 @@ def seeded(device: torch.device, seed: int | None, lock: threading.Lock | None) 
                 torch.cuda.manual_seed(seed)
         else:
             torch.random.default_generator.manual_seed(seed)
-        yield
+        yield Probe(device, watch)

@@ -50,10 +50,14 @@ import torch.distributed as dist
 from schedules import Op
 from schedules.dependencies import ActionKey
 
+from pipeline.payload import from_wire, to_wire
 from pipeline.wire import (
     FAILED,
     HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
     NEXT,
+    OK,
+    HeaderError,
     BufferPool,
     Metas,
     decode_failure,
@@ -115,6 +119,7 @@ class DistTransport:
         self.device = device
         self.chunks = chunks
         self.timeout = timeout
+        self.max_message_bytes = MAX_MESSAGE_BYTES
         self.predicts = dist.get_backend(group) == "gloo"
         self.lookahead = PAYLOAD_LOOKAHEAD
         # Sharing cores with its peers, a rank yields after each send: the receiving thread
@@ -157,18 +162,18 @@ class DistTransport:
         peer = self.stage_ranks[source]
         return buffer, dist.irecv(buffer, peer, self.group, tag=_tag(key, self.chunks, second))
 
-    def _header(self, metas: Metas, is_tuple: bool) -> torch.Tensor:
-        header = self._headers.get((metas, is_tuple))
+    def _header(self, metas: Metas, kind: int) -> torch.Tensor:
+        header = self._headers.get((metas, kind))
         if header is None:
-            header = encode_header(metas, is_tuple).to(self.device)
-            self._headers[(metas, is_tuple)] = header
+            header = encode_header(metas, kind).to(self.device)
+            self._headers[(metas, kind)] = header
         return header
 
     def send(self, key: ActionKey, destination: int, payload: Any) -> None:
-        is_tuple = isinstance(payload, tuple)
-        tensors = [t.contiguous() for t in (payload if is_tuple else (payload,))]
+        kind, tensors = to_wire(payload)
+        tensors = [t.to(self.device).contiguous() for t in tensors]
         metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-        header = self._header(metas, is_tuple)
+        header = self._header(metas, kind)
         predicted = None
         if self.predicts:
             predicted = _predicted(self._sent_shapes, (key, destination))
@@ -228,14 +233,29 @@ class DistTransport:
         if status == FAILED:
             origin, reason = decode_failure(header)
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
-        is_tuple, metas = decode_header(header)
+        if status not in (OK, NEXT):
+            raise self._corrupt(source, f"status {status}")
+        try:
+            kind, metas = decode_header(header, self.max_message_bytes)
+        except HeaderError as error:
+            raise self._corrupt(source, str(error)) from error
         if status == NEXT:
             buffer, work = self._post(key, source, message_size(metas), True)
             self._wait(work, key, source)
         if self.predicts:
             _remember(self._received_shapes, (key, source), metas)
+        if buffer.numel() < message_size(metas):
+            raise self._corrupt(source, f"{buffer.numel()} bytes arrived for a header "
+                                        f"announcing {message_size(metas)}")
         tensors = unpack(buffer, metas)
-        return tensors if is_tuple else tensors[0]
+        try:
+            return from_wire(kind, tensors)
+        except Exception as error:
+            raise self._corrupt(source, f"{type(error).__name__}: {error}") from error
+
+    def _corrupt(self, source: int, what: str) -> PeerError:
+        rank = self.stage_ranks[source]
+        return PeerError(f"stage {self.stage} got a corrupt message from rank {rank}: {what}", rank)
 
     def _wait(self, work: Any, key: ActionKey, source: int) -> None:
         # Post the next receives now, before waiting, not once the message is in: then

@@ -8,6 +8,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,13 +17,15 @@ from torch import nn
 
 from schedules import Event, Schedule, Timeline
 
-from pipeline.checkpoint import CheckpointMode, step_seed
+from pipeline.checkpoint import step_seed
 from pipeline.dist_transport import DistTransport, PeerError
 from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
+from pipeline.local import propagate_input_grads
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.partition import build_chunks
-from pipeline.stage import ChunkSpec, ModelChunk
+from pipeline.shared import SharedParameter, shared_parameters, stages_using, unique
+from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 
 
 def rank_device(group: Any) -> torch.device:
@@ -124,6 +127,45 @@ def _materialise(layers: nn.Sequential, device: torch.device,
                 reset()
 
 
+def _free_remote_layers(model: nn.Sequential, local_layers: Sequence[int],
+                        shared: dict[int, SharedParameter]) -> None:
+    """Move the layers this rank does not run to ``meta``, keeping parameters local layers share.
+
+    ``Module.to`` converts a parameter in place, so a head tied to a local embedding
+    would take the embedding with it: the remote layer gets a meta placeholder instead.
+    """
+    local = set(local_layers)
+    kept = {key for key, info in shared.items() if local.intersection(info.layers)}
+    for index, layer in enumerate(model):
+        if index in local:
+            continue
+        for module in layer.modules():
+            for name, parameter in list(module._parameters.items()):
+                if parameter is not None and id(parameter) in kept:
+                    module._parameters[name] = nn.Parameter(
+                        torch.empty_like(parameter, device="meta"), parameter.requires_grad
+                    )
+        layer.to("meta")  # frees what this rank does not run
+
+
+@dataclass(frozen=True)
+class _Synced:
+    """A parameter used on several stages: this rank's copy (None if it holds none), its shape."""
+
+    parameter: nn.Parameter | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _chunk_of(layer: int, balance: Sequence[int]) -> int:
+    total = 0
+    for chunk, count in enumerate(balance):
+        total += count
+        if layer < total:
+            return chunk
+    raise ValueError(f"layer {layer} is beyond the {total} layers of the balance")
+
+
 class DistRunner:
     """This rank's stage: its chunks, its transport, and the step's collectives."""
 
@@ -133,8 +175,7 @@ class DistRunner:
         balance: Sequence[int],
         schedule: Schedule,
         device: torch.device,
-        checkpoint: CheckpointMode,
-        loss_fn: Callable[..., torch.Tensor] | None,
+        options: ChunkOptions,
         timeout: float,
         group: Any,
         data_group: Any,
@@ -153,20 +194,36 @@ class DistRunner:
             i for c in schedule.chunks_of_stage[self.stage]
             for i in range(firsts[c], firsts[c] + balance[c])
         ]
-        for index, layer in enumerate(model):
-            if index not in self.local_layers:
-                layer.to("meta")  # frees what this rank does not run
+        self.shared = shared_parameters(model)
+        # Parameters used on several stages: their gradients are summed across those stages
+        # after each step (the same list, in model order, on every rank); each is counted
+        # once, on its first user's stage, when clipping.
+        local = set(self.local_layers)
+        self.synced = [
+            _Synced(p if local.intersection(info.layers) else None, tuple(p.shape), p.dtype)
+            for p in unique(model.parameters()) if id(p) in self.shared
+            for info in [self.shared[id(p)]]
+            if len(stages_using(info, balance, schedule.placement)) > 1
+        ]
+        owner_stage = {
+            id(p): schedule.placement[_chunk_of(self.shared[id(p)].owner, balance)]
+            for p in unique(model.parameters()) if id(p) in self.shared
+        }
+        _free_remote_layers(model, self.local_layers, self.shared)
         own = set(self.local_layers)
         for c in schedule.chunks_of_stage[self.stage]:
             _materialise(nn.Sequential(*[model[i] for i in range(firsts[c], firsts[c] + balance[c])]),
                          device, init_fn)
         assert own
+        self.counted = [
+            p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
+        ]
         self.tracker = ActivationTracker(self.parameters(), 1.0 / len(schedule.chunks_of_stage[self.stage]))
 
         def make_chunk(index: int, stage: int, first: int, layers: nn.Sequential,
-                       chunk_device: torch.device) -> ModelChunk:
+                       chunk_device: torch.device) -> ChunkRunner:
             spec = ChunkSpec(index, stage, first, index == 0, index == schedule.chunks - 1)
-            return ModelChunk(spec, layers, chunk_device, checkpoint, loss_fn, self.tracker, None)
+            return ChunkRunner(spec, layers, chunk_device, options, self.tracker, None)
 
         devices = [device] * schedule.stages
         self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
@@ -179,8 +236,7 @@ class DistRunner:
         self.memory: tuple[MemoryReport, ...] = ()
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        for index in self.local_layers:
-            yield from self.model[index].parameters()
+        yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {
@@ -217,16 +273,32 @@ class DistRunner:
         try:
             result = run_stage(schedule, self.plan, self.chunks, self.transport, step_inputs)
             self.transport.finish()
+            for chunk in self.chunks.values():
+                chunk.end_step()
         except BaseException as error:
             self._fail(error)
             raise
         finally:
             for chunk in self.chunks.values():
                 chunk.begin_step(0, schedule.microbatches, False)
+        propagate_input_grads(step_inputs.inputs, [result])
         self.memory = (self.tracker.report(),)
         loss, timeline = self._share_results(result.losses, result.events, origin)
+        self._sum_shared_gradients()
         self._average_gradients(loss)
         return loss, timeline
+
+    def _sum_shared_gradients(self) -> None:
+        """Every stage holding a shared parameter ends with its full gradient: the sum."""
+        for synced in self.synced:
+            parameter = synced.parameter
+            if parameter is not None and parameter.grad is not None:
+                grad = parameter.grad
+            else:
+                grad = torch.zeros(synced.shape, dtype=synced.dtype, device=self.device)
+            dist.all_reduce(grad, group=self.group)
+            if parameter is not None:
+                parameter.grad = grad
 
     def _average_gradients(self, loss: torch.Tensor) -> None:
         if self.data_group is None:
@@ -303,12 +375,13 @@ class DistRunner:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.counted if p.grad is not None]
         if norm_type == float("inf"):
-            local = max((g.abs().max() for g in grads), default=torch.zeros((), device=self.device))
+            local = max((g.abs().max() for g in counted), default=torch.zeros((), device=self.device))
             total = local.to(torch.float64).clone()
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
-            local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in grads),
+            local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in counted),
                         torch.zeros((), dtype=torch.float64, device=self.device))
             total = local.clone()
             dist.all_reduce(total, group=self.group)

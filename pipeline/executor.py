@@ -12,10 +12,9 @@ import torch
 from schedules import Action, Event, Op, Schedule, dependencies, transfers
 from schedules.dependencies import ActionKey
 
-from pipeline.microbatch import Tensors
-from pipeline.stage import ModelChunk
+from pipeline.stage import ChunkRunner
 
-Payload = Any  # a tensor, or a tuple of tensors
+Payload = Any  # any pytree of tensors (see pipeline.payload)
 
 
 class Transport(Protocol):
@@ -90,17 +89,19 @@ def _consumer_chunks(schedule: Schedule, action: Action) -> tuple[int, ...]:
 class StepInputs:
     """What a stage needs from the caller: inputs for chunk 0, targets for the last chunk."""
 
-    inputs: Sequence[Tensors] | None
+    inputs: Sequence[Payload] | None
     targets: Sequence[Any] | None
     weights: Sequence[float]
 
 
 @dataclass
 class StageResult:
-    """What a stage reports after a step: its events and the losses it computed."""
+    """What a stage reports after a step: its events, the losses it computed, and the
+    gradients with respect to the first chunk's inputs (when ``x`` requires grad)."""
 
     events: list[Event] = field(default_factory=list)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
 
 
 Clock = Callable[[], float]
@@ -109,7 +110,7 @@ Clock = Callable[[], float]
 def run_stage(
     schedule: Schedule,
     plan: StagePlan,
-    chunks: dict[int, ModelChunk],
+    chunks: dict[int, ChunkRunner],
     transport: Transport,
     step_inputs: StepInputs,
     clock: Clock = time.perf_counter,
@@ -151,7 +152,7 @@ class _StageRun:
 
     schedule: Schedule
     plan: StagePlan
-    chunks: dict[int, ModelChunk]
+    chunks: dict[int, ChunkRunner]
     transport: Transport
     step_inputs: StepInputs
     result: StageResult = field(default_factory=StageResult)
@@ -201,7 +202,11 @@ class _StageRun:
             produced = chunk.backward(action.microbatch, grads)
         else:
             produced = chunk.backward_input(action.microbatch, grads)
-        return produced if action.chunk > 0 else None
+        if action.chunk > 0:
+            return produced
+        if any(grad is not None for grad in produced):
+            self.result.input_grads[action.microbatch] = produced
+        return None
 
 
 def forward_order(schedule: Schedule, stage: int) -> tuple[Action, ...]:
@@ -219,9 +224,9 @@ def forward_order(schedule: Schedule, stage: int) -> tuple[Action, ...]:
 def run_forward_stage(
     schedule: Schedule,
     plan: StagePlan,
-    chunks: dict[int, ModelChunk],
+    chunks: dict[int, ChunkRunner],
     transport: Transport,
-    inputs: Sequence[Tensors] | None,
+    inputs: Sequence[Payload] | None,
 ) -> dict[int, Payload]:
     """Run this stage's forwards for inference; return the last chunk's outputs by micro-batch."""
     local: dict[ActionKey, Payload] = {}

@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,18 +106,26 @@ class ActivationTracker:
 
     @contextmanager
     def recording(self, key: Key) -> Iterator[None]:
-        """Within the body, every tensor autograd saves counts against ``key``."""
+        """Within the body, every tensor autograd saves counts against ``key``.
 
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
+        Saved-tensor hooks already active (``torch.autograd.graph.save_on_cpu()``, say)
+        still apply: only the innermost hooks run, so these call them in turn.
+        """
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+        def pack(tensor: torch.Tensor) -> Any:
             # A detached alias, never ``tensor`` itself: a saved output would hold its own
             # grad_fn, a cycle through C++ that no garbage collector frees, so with
             # retain_graph=True (split backward) activations leaked for good
             # (pytorch/pytorch#115255). Autograd restores the grad_fn on unpack.
             packed = tensor.detach()
             self.track(key, packed)
-            return packed
+            return packed if outer is None else outer[0](packed)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        def unpack(packed: Any) -> torch.Tensor:
+            return packed if outer is None else outer[1](packed)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 
 

@@ -3,34 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-Tensors = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
-
-def batch_size(batch: Tensors) -> int:
-    """Rows along dim 0 of a tensor, or of the first tensor of a tuple."""
-    first = batch[0] if isinstance(batch, tuple) else batch
-    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+def batch_size(batch: Any) -> int:
+    """Rows along dim 0 of a tensor, or of the first tensor of a tuple, dict or nested batch."""
+    first = next((leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        shown = type(first).__name__ if first is not None else type(batch).__name__
         raise TypeError(
-            f"a batch must be a tensor or a tuple of tensors with a batch dimension, "
-            f"got {type(first).__name__}"
+            f"a batch must be a tensor or a tuple/dict of tensors with a batch dimension, "
+            f"got {shown}"
         )
     return first.shape[0]
 
 
-def split(batch: Tensors | Sequence[Tensors], chunks: int) -> list[Tensors]:
+def split(batch: Any, chunks: int) -> list[Any]:
     """Split ``batch`` into ``chunks`` micro-batches along dim 0, like ``torch.tensor_split``.
 
-    A list of micro-batches (pre-split, e.g. of different sequence lengths) is
-    returned as it is, after checking it has ``chunks`` entries.
+    A tuple, dict or nested batch is split tensor by tensor (other leaves are
+    repeated). A list of micro-batches (pre-split, e.g. of different sequence
+    lengths) is returned as it is, after checking it has ``chunks`` entries.
 
     Raises:
-        ValueError: fewer rows than ``chunks``, tensors of a tuple that disagree
+        ValueError: fewer rows than ``chunks``, tensors of a batch that disagree
             on the batch size, or a pre-split list of the wrong length.
-        TypeError: something other than tensors.
+        TypeError: no tensor with a batch dimension.
     """
     if isinstance(batch, list):
         if len(batch) != chunks:
@@ -41,43 +42,40 @@ def split(batch: Tensors | Sequence[Tensors], chunks: int) -> list[Tensors]:
         for part in batch:
             batch_size(part)
         return list(batch)
-    if isinstance(batch, tuple):
-        rows = {batch_size(t) for t in batch}
-        if len(rows) != 1:
-            raise ValueError(f"tensors of a batch tuple must share dim 0, got sizes {sorted(rows)}")
-    rows = batch_size(batch)
-    if rows < chunks:
+    leaves, spec = pytree.tree_flatten(batch)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    rows = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(rows) > 1:
+        shown = sorted(rows, key=lambda r: -1 if r is None else r)
+        raise ValueError(f"tensors of a batch must share dim 0, got sizes {shown}")
+    count = batch_size(batch)
+    if count < chunks:
         raise ValueError(
-            f"a batch of {rows} rows cannot be split into {chunks} micro-batches; "
+            f"a batch of {count} rows cannot be split into {chunks} micro-batches; "
             f"expected a batch of at least {chunks} rows (or fewer chunks)"
         )
-    if isinstance(batch, tuple):
-        columns = [torch.tensor_split(t, chunks) for t in batch]
-        return [tuple(column[i] for column in columns) for i in range(chunks)]
-    return list(torch.tensor_split(batch, chunks))
+    columns = [
+        torch.tensor_split(leaf, chunks) if isinstance(leaf, torch.Tensor) else [leaf] * chunks
+        for leaf in leaves
+    ]
+    return [pytree.tree_unflatten([column[i] for column in columns], spec) for i in range(chunks)]
 
 
-def merge(outputs: Sequence[Tensors]) -> Tensors:
-    """Concatenate micro-batch outputs along dim 0 (tuples element-wise)."""
-    if isinstance(outputs[0], tuple):
-        return tuple(torch.cat([out[i] for out in outputs]) for i in range(len(outputs[0])))
-    return torch.cat(list(outputs))  # type: ignore[arg-type]
-
-
-def as_tuple(value: Tensors) -> tuple[torch.Tensor, ...]:
-    """A tensor as a 1-tuple; a tuple as it is."""
-    return value if isinstance(value, tuple) else (value,)
-
-
-def from_tuple(values: tuple[torch.Tensor, ...], like_tuple: bool) -> Tensors:
-    """Undo ``as_tuple``: a 1-tuple back to its tensor unless the original was a tuple."""
-    return values if like_tuple else values[0]
+def merge(outputs: Sequence[Any]) -> Any:
+    """Concatenate micro-batch outputs along dim 0, leaf by leaf (other leaves: the first's)."""
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    merged = []
+    for index, leaf in enumerate(flat[0][0]):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            merged.append(torch.cat([leaves[index] for leaves, _ in flat]))
+        else:
+            merged.append(leaf)
+    return pytree.tree_unflatten(merged, spec)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """A tensor, or a tuple of them, on ``device``; anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(to_device(v, device) for v in value)
-    return value
+    """Every tensor of ``value`` on ``device``; anything else as it is."""
+    return pytree.tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value
+    )

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from partitioners import uniform
-from schedules import Schedule, get_schedule
+from schedules import Schedule, get_schedule, validate
 from schedules.registry import schedule_info
 
 
@@ -42,6 +42,7 @@ def build_schedule(
                 f"microbatches={schedule.microbatches}, but this Pipe has stages={stages}, "
                 f"chunks={microbatches}; build it with those counts"
             )
+        validate(schedule)  # a missing or deadlocked action raises here, not mid-step
         return schedule
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")

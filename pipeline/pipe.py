@@ -12,7 +12,9 @@ from schedules import Schedule, Timeline
 
 from pipeline.checkpoint import CheckpointMode, check_mode
 from pipeline.memory import MemoryReport
+from pipeline.loss import loss_rule
 from pipeline.microbatch import batch_size, merge, split
+from pipeline.stage import ChunkOptions
 from pipeline.partition import (
     build_schedule,
     check_model,
@@ -39,9 +41,17 @@ class Pipe:
             round-robin, else the CPU.
         schedule: a name known to ``schedules.get_schedule`` or a ``Schedule``.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recomputation.
-        loss_fn: ``loss_fn(output, target)`` per micro-batch; needed by ``step``. With
-            ``reduction="sum"`` micro-batch losses are added, otherwise weighted by
-            their share of the batch, so the result is the whole batch's loss.
+        loss_fn: ``loss_fn(output, target)`` per micro-batch; needed by ``step``. The
+            micro-batch losses add up to exactly the whole batch's loss (see
+            ``pipeline.loss``): torch's loss modules are normalised by the batch's count
+            (rows, elements, or the weighted non-ignored targets of a cross-entropy);
+            another callable's results are weighted by their share of the rows, unless
+            ``loss_count`` is given.
+        loss_count: with a ``loss_fn`` that returns a micro-batch's *sum*,
+            ``loss_count(target)`` is what that micro-batch counts (e.g. its non-padding
+            tokens); the step's loss is then the sum of sums over the sum of counts.
+        deferred_batch_norm: BatchNorm running statistics updated once per step, as one
+            forward of the whole batch would (else once per micro-batch).
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
         group: a process group for one stage per rank (see ``pipeline.distributed``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
@@ -71,6 +81,8 @@ class Pipe:
         timeout: float = 60.0,
         data_group: Any = None,
         init_fn: Callable[[nn.Module], None] | None = None,
+        loss_count: Callable[[Any], Any] | None = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         if group is not None:
             # First, before anything that could raise on some ranks and not others.
@@ -89,6 +101,12 @@ class Pipe:
         self.chunks = check_positive("chunks", chunks)
         self.checkpoint = check_mode(checkpoint)
         self.loss_fn = loss_fn
+        self._loss_rule = loss_rule(loss_fn, loss_count)
+        self._options = ChunkOptions(
+            self.checkpoint,
+            self._loss_rule.function if self._loss_rule is not None else None,
+            bool(deferred_batch_norm),
+        )
         self.timeout = timeout
         self._group = group
         self._data_group = data_group
@@ -169,15 +187,15 @@ class Pipe:
             from pipeline.local import LocalRunner
 
             self._runner = LocalRunner(
-                self.model, self._balance, self._schedule, self._devices, self.checkpoint,
-                self.loss_fn, self.timeout,
+                self.model, self._balance, self._schedule, self._devices, self._options,
+                self.timeout,
             )
         else:
             from pipeline.distributed import DistRunner
 
             self._runner = DistRunner(
-                self.model, self._balance, self._schedule, self._devices[0], self.checkpoint,
-                self.loss_fn, self.timeout, self._group, self._data_group, self._init_fn,
+                self.model, self._balance, self._schedule, self._devices[0], self._options,
+                self.timeout, self._group, self._data_group, self._init_fn,
             )
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
@@ -243,12 +261,6 @@ class Pipe:
 
     # -- running --------------------------------------------------------------------------
 
-    def _weights(self, parts: list[Any]) -> list[float]:
-        if getattr(self.loss_fn, "reduction", "mean") == "sum":
-            return [1.0] * len(parts)
-        rows = [batch_size(p) for p in parts]
-        total = sum(rows)
-        return [r / total for r in rows]
 
     def step(self, x: Any, target: Any) -> torch.Tensor:
         """One training step: every forward and backward in the schedule's order.
@@ -288,7 +300,8 @@ class Pipe:
                     f"and {rows[1]}"
                 )
         self._ensure_runner(x)
-        weights = self._weights(known) if known is not None else None
+        assert self._loss_rule is not None
+        weights = self._loss_rule.weights(targets) if targets is not None else None
         loss, timeline = self._runner.run_step(inputs, targets, weights)
         self._timeline = timeline
         return loss

@@ -1,26 +1,39 @@
-"""One model chunk on its device: forward, backward (full or split into I and W), recompute."""
+"""One model chunk on its device: forward, backward (full or split into I and W), recompute.
+
+A chunk receives any pytree of tensors (see ``pipeline.payload``) and keeps,
+per micro-batch, what its backward needs. Three things keep it exact on real
+models:
+
+- inputs are fresh leaves, and when a layer modifies its input in place (an
+  in-place ReLU first in a stage) the layers run on a copy, so the user's ``x``,
+  the sender's saved tensors and the input kept for recomputation stay intact.
+  Whether a chunk does so is found on the first micro-batch of each step, from
+  the copy's version counter;
+- every layer that draws random numbers does so under a seed of its own per
+  micro-batch (``pipeline.checkpoint``), the same in the recomputation;
+- a recomputation leaves BatchNorm's running statistics as they were
+  (``pipeline.batchnorm``), or none of the forwards touch them when the
+  statistics are deferred to the end of the step.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipeline.checkpoint import (
-    CheckpointMode,
-    is_stochastic,
-    microbatch_seed,
-    recomputes,
-    seeded,
-)
+from pipeline.batchnorm import DeferredStatistics, frozen_statistics, running_norms
+from pipeline.checkpoint import CheckpointMode, layer_seed, recomputes, seeded
+from pipeline.loss import check_loss_value
 from pipeline.memory import ActivationTracker
-from pipeline.microbatch import Tensors, as_tuple, from_tuple
+from pipeline.payload import Flat, detach, differentiable, flatten
 
-Grads = tuple[torch.Tensor, ...]
+Grads = tuple[torch.Tensor | None, ...]
 
 
 class StageError(RuntimeError):
@@ -31,10 +44,10 @@ class StageError(RuntimeError):
 class _Stash:
     """What a micro-batch leaves behind between its forward and its backward."""
 
-    inputs: tuple[torch.Tensor, ...]
+    inputs: Flat  # the chunk's inputs as fresh leaves (differentiable ones may require grad)
     target: Any = None
     weight: float = 1.0
-    outputs: tuple[torch.Tensor, ...] | None = None
+    outputs: Flat | None = None
     loss: torch.Tensor | None = None
     layer_outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     output_grads: list[Grads | None] = field(default_factory=list)
@@ -51,13 +64,21 @@ class ChunkSpec:
     is_last: bool
 
 
-class ModelChunk:
-    """A contiguous slice of the model's layers, run micro-batch by micro-batch.
+@dataclass(frozen=True)
+class ChunkOptions:
+    """How a chunk runs, the same for every chunk of a Pipe."""
+
+    checkpoint: CheckpointMode
+    loss_fn: Callable[..., Any] | None
+    deferred_batch_norm: bool = False
+
+
+class ChunkRunner:
+    """Runs a contiguous slice of the model's layers, micro-batch by micro-batch.
 
     ``forward`` keeps what ``backward`` (or ``backward_input`` then
-    ``backward_weight``) needs, according to the checkpoint mode. Inputs arrive
-    detached; the gradients returned are those with respect to the floating-point
-    inputs, in order.
+    ``backward_weight``) needs, according to the checkpoint mode. The gradients
+    returned are those with respect to the differentiable input leaves, in order.
     """
 
     def __init__(
@@ -65,123 +86,157 @@ class ModelChunk:
         spec: ChunkSpec,
         layers: nn.Sequential,
         device: torch.device,
-        checkpoint: CheckpointMode,
-        loss_fn: Callable[..., torch.Tensor] | None,
+        options: ChunkOptions,
         tracker: ActivationTracker | None,
         rng_lock: threading.Lock | None,
+        grad_lock: threading.Lock | None = None,
     ) -> None:
         self.spec = spec
         self.layers = layers
         self.device = device
-        self.checkpoint = checkpoint
-        self.loss_fn = loss_fn
+        self.options = options
         self.tracker = tracker
         self.rng_lock = rng_lock
-        self.stochastic = False
+        # Taken around weight-gradient accumulation when a parameter is shared with another
+        # chunk, whose stage may accumulate into the same ``.grad`` at the same moment.
+        self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
         self._seed_base = 0
         self._microbatches = 1
-        self._split = False
+        self._split = False  # backwards split into I and W: keep every layer's outputs
+        self._draws: list[bool | None] = [None] * len(layers)
+        self._mutates_input: bool | None = None
+        self._norms = running_norms(layers)
+        self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
     def begin_step(self, seed_base: int, microbatches: int, split_backward: bool) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""
         self._stash.clear()
-        self.stochastic = is_stochastic(self.layers)
         self._seed_base = seed_base
         self._microbatches = microbatches
         self._split = split_backward
+        self._draws = [None] * len(self.layers)
+        self._mutates_input = None
+        if self.deferred is not None:
+            self.deferred.begin_step()
 
-    def _seed(self, microbatch: int) -> int | None:
-        if not self.stochastic:
-            return None
-        return microbatch_seed(self._seed_base, self.spec.index, microbatch)
+    def end_step(self) -> None:
+        """Commit deferred BatchNorm statistics (after a successful step)."""
+        if self.deferred is not None:
+            self.deferred.commit()
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _leaves(self, inputs: Any) -> Flat:
+        flat = flatten(inputs)
+        leaves = []
+        for leaf in flat.leaves:
+            if isinstance(leaf, torch.Tensor):
+                wanted = differentiable(leaf) and (not self.spec.is_first or leaf.requires_grad)
+                leaf = leaf.detach().requires_grad_(wanted)  # fresh objects die with the stash
+            leaves.append(leaf)
+        return Flat(tuple(leaves), flat.spec)
+
+    def _layer_input(self, inputs: Flat) -> tuple[Any, list[torch.Tensor]]:
+        """The value the first layer sees: the leaves, or copies when layers modify them."""
+        if self._mutates_input is False:
+            return inputs.rebuild(), []
+        copies = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in inputs.leaves]
+        watched = [leaf for leaf in copies if isinstance(leaf, torch.Tensor)]
+        return inputs.rebuild(copies), (watched if self._mutates_input is None else [])
 
     def _run_layers(
-        self, microbatch: int, inputs: tuple[torch.Tensor, ...], is_tuple: bool, record: bool
-    ) -> tuple[tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
-        value: Any = from_tuple(inputs, is_tuple)
+        self, microbatch: int, inputs: Flat, record: bool
+    ) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+        value, watched = self._layer_input(inputs)
         recorded = []
         for offset, layer in enumerate(self.layers):
-            try:
-                value = layer(value)
-            except Exception as error:
-                name = type(layer).__name__
-                raise StageError(
-                    f"stage {self.spec.stage}, layer {self.spec.first_layer + offset} ({name}), "
-                    f"micro-batch {microbatch}: {type(error).__name__}: {error}"
-                ) from error
+            value = self._run_layer(microbatch, offset, layer, value)
             if record:
-                recorded.append(as_tuple(value))
-        return as_tuple(value), recorded
+                recorded.append(tuple(t for t in flatten(value).leaves if differentiable(t)))
+        if watched:
+            self._mutates_input = any(t._version for t in watched)
+        return value, recorded
 
-    def _forward_with_graph(self, microbatch: int, stash: _Stash, is_tuple: bool) -> None:
+    def _run_layer(self, microbatch: int, offset: int, layer: nn.Module, value: Any) -> Any:
+        draws = self._draws[offset]
+        try:
+            if draws is False:
+                return layer(value)
+            seed = layer_seed(self._seed_base, self.spec.first_layer + offset, microbatch)
+            with seeded(self.device, seed, self.rng_lock, watch=draws is None) as probe:
+                value = layer(value)
+                if draws is None:
+                    self._draws[offset] = probe.drew()
+            return value
+        except Exception as error:
+            name = type(layer).__name__
+            raise StageError(
+                f"stage {self.spec.stage}, layer {self.spec.first_layer + offset} ({name}), "
+                f"micro-batch {microbatch}: {type(error).__name__}: {error}"
+            ) from error
+
+    def _statistics(self, first: bool) -> Any:
+        """BatchNorm handling for a forward: the first one updates (or records), a rerun not."""
+        if self.deferred is not None:
+            return self.deferred.recording(record=first)
+        return nullcontext() if first else frozen_statistics(self._norms)
+
+    def _forward_with_graph(self, microbatch: int, stash: _Stash, first: bool) -> None:
         key = (microbatch, self.spec.index)
-        recording = self.tracker.recording(key) if self.tracker else _nothing()
-        with recording, seeded(self.device, self._seed(microbatch), self.rng_lock):
+        recording = self.tracker.recording(key) if self.tracker else nullcontext()
+        with recording, self._statistics(first):
             outputs, layer_outputs = self._run_layers(
-                microbatch, stash.inputs, is_tuple, record=self._split
+                microbatch, stash.inputs, record=self._split
             )
-            stash.outputs = outputs
+            stash.outputs = flatten(outputs)
             stash.layer_outputs = layer_outputs
             if self.spec.is_last:
                 stash.loss = self._loss(microbatch, outputs, stash)
 
-    def _loss(self, microbatch: int, outputs: tuple[torch.Tensor, ...], stash: _Stash) -> torch.Tensor:
-        if self.loss_fn is None:
+    def _loss(self, microbatch: int, outputs: Any, stash: _Stash) -> torch.Tensor:
+        loss_fn = self.options.loss_fn
+        if loss_fn is None:
             raise ValueError("step() needs a loss_fn: pass Pipe(..., loss_fn=nn.MSELoss()) or similar")
-        output: Any = outputs[0] if len(outputs) == 1 else outputs
         try:
-            loss = self.loss_fn(output, stash.target)
+            loss = loss_fn(outputs, stash.target)
         except Exception as error:
             raise StageError(
                 f"stage {self.spec.stage}, loss_fn, micro-batch {microbatch}: "
                 f"{type(error).__name__}: {error}"
             ) from error
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, got a tensor of shape {tuple(loss.shape)}")
-        return loss * stash.weight
+        return check_loss_value(loss, microbatch, self.spec.stage) * stash.weight
 
-    def forward(
-        self,
-        microbatch: int,
-        inputs: Tensors,
-        target: Any = None,
-        weight: float = 1.0,
-    ) -> Tensors | torch.Tensor:
+    def forward(self, microbatch: int, inputs: Any, target: Any = None, weight: float = 1.0) -> Any:
         """Run the chunk's forward for one micro-batch of a training step.
 
         Returns the detached outputs to send on, or, for the last chunk, the
-        detached loss weighted by the micro-batch's share of the batch.
+        detached loss multiplied by the micro-batch's ``weight``.
         """
-        is_tuple = isinstance(inputs, tuple)
-        detached = tuple(
-            t.detach().requires_grad_(not self.spec.is_first and t.is_floating_point())
-            for t in as_tuple(inputs)
-        )
-        # Fresh tensor objects, so what autograd saves dies with this micro-batch's stash.
-        stash = _Stash(inputs=detached, target=_detach_any(target), weight=weight)
-        stash.is_tuple = is_tuple  # type: ignore[attr-defined]
+        stash = _Stash(inputs=self._leaves(inputs), target=detach(target), weight=weight)
         self._stash[microbatch] = stash
-        if recomputes(self.checkpoint, microbatch, self._microbatches):
-            if self.tracker is not None:
-                for tensor in detached:
-                    self.tracker.track((microbatch, self.spec.index), tensor)
-            with torch.no_grad(), seeded(self.device, self._seed(microbatch), self.rng_lock):
-                outputs, _ = self._run_layers(microbatch, detached, is_tuple, record=False)
-                if self.spec.is_last:
-                    return self._loss(microbatch, outputs, stash).detach()
-            return _detach_outputs(outputs)
-        self._forward_with_graph(microbatch, stash, is_tuple)
-        if self.spec.is_last:
-            assert stash.loss is not None
-            return stash.loss.detach()
-        assert stash.outputs is not None
-        return _detach_outputs(stash.outputs)
+        if not recomputes(self.options.checkpoint, microbatch, self._microbatches):
+            self._forward_with_graph(microbatch, stash, first=True)
+            if self.spec.is_last:
+                assert stash.loss is not None
+                return stash.loss.detach()
+            assert stash.outputs is not None
+            return detach(stash.outputs.rebuild())
+        if self.tracker is not None:
+            for tensor in stash.inputs.tensors:
+                self.tracker.track((microbatch, self.spec.index), tensor)
+        with torch.no_grad(), self._statistics(first=True):
+            outputs, _ = self._run_layers(microbatch, stash.inputs, record=False)
+            if self.spec.is_last:
+                return self._loss(microbatch, outputs, stash).detach()
+        return detach(outputs)
+
+    # -- backward ---------------------------------------------------------------------------
 
     def _ready_for_backward(self, microbatch: int) -> _Stash:
         stash = self._stash[microbatch]
         if stash.outputs is None and stash.loss is None:
-            self._forward_with_graph(microbatch, stash, stash.is_tuple)  # type: ignore[attr-defined]
+            self._forward_with_graph(microbatch, stash, first=False)
         return stash
 
     def _roots(
@@ -191,60 +246,68 @@ class ModelChunk:
             assert stash.loss is not None
             return [stash.loss], None
         assert stash.outputs is not None and grads is not None
-        differentiable = [t for t in stash.outputs if t.is_floating_point()]
-        pairs = [(t, g) for t, g in zip(differentiable, grads) if t.requires_grad]
+        pairs = [
+            (t, g) for t, g in zip(stash.outputs.differentiable, grads)
+            if t.requires_grad and g is not None
+        ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _input_grads(self, stash: _Stash, found: tuple[torch.Tensor | None, ...]) -> Grads:
-        floating = [t for t in stash.inputs if t.is_floating_point()]
-        return tuple(g if g is not None else torch.zeros_like(t) for t, g in zip(floating, found))
+    def _wanted_inputs(self, stash: _Stash) -> list[torch.Tensor]:
+        return [t for t in stash.inputs.differentiable if t.requires_grad]
+
+    def _input_grads(self, stash: _Stash, found: dict[int, torch.Tensor | None]) -> Grads:
+        """One entry per differentiable input leaf: its gradient (zeros if unused)."""
+        grads: list[torch.Tensor | None] = []
+        for leaf in stash.inputs.differentiable:
+            if not leaf.requires_grad:
+                grads.append(None)
+                continue
+            grad = found.get(id(leaf))
+            grads.append(torch.zeros_like(leaf) if grad is None else grad)
+        return tuple(grads)
 
     def backward(self, microbatch: int, grads: Grads | None) -> Grads:
         """Full backward of one micro-batch: weight gradients accumulate into ``.grad``.
 
         Args:
             microbatch: which micro-batch.
-            grads: gradients with respect to the chunk's floating outputs (None for
-                the last chunk, whose root is the loss).
+            grads: gradients with respect to the chunk's differentiable output leaves
+                (None for the last chunk, whose root is the loss).
 
         Returns:
-            Gradients with respect to the chunk's floating inputs (empty for the first chunk).
+            Gradients with respect to the chunk's differentiable input leaves (None for
+            those that need none, such as the first chunk's unless ``x`` requires grad).
         """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
         if roots:
-            self._autograd(microbatch, "B", torch.autograd.backward, roots, root_grads)
+            with self.grad_lock if self.grad_lock is not None else nullcontext():
+                self._autograd(microbatch, "B", torch.autograd.backward, roots, root_grads)
         del self._stash[microbatch]
-        if self.spec.is_first:
-            return ()
-        return self._input_grads(stash, tuple(t.grad for t in stash.inputs if t.is_floating_point()))
+        return self._input_grads(stash, {id(t): t.grad for t in self._wanted_inputs(stash)})
 
     def backward_input(self, microbatch: int, grads: Grads | None) -> Grads:
         """The I half of a split backward: input gradients now, weight gradients left for W."""
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
-        wanted_inputs = [] if self.spec.is_first else [
-            t for t in stash.inputs if t.is_floating_point()
-        ]
+        wanted_inputs = self._wanted_inputs(stash)
         boundaries = [
             [t for t in layer_output if t.requires_grad] for layer_output in stash.layer_outputs[:-1]
         ]
         targets = wanted_inputs + [t for boundary in boundaries for t in boundary]
-        found: tuple[torch.Tensor | None, ...] = ()
+        found: tuple[torch.Tensor | None, ...] = (None,) * len(targets)
         if roots and targets:
             found = self._autograd(
                 microbatch, "I", _grad_keeping_graph, roots, root_grads, targets
             )
-        else:
-            found = (None,) * len(targets)
         position = len(wanted_inputs)
         stash.output_grads = []
         for boundary in boundaries:
-            stash.output_grads.append(tuple(found[position : position + len(boundary)]))  # type: ignore[arg-type]
+            stash.output_grads.append(tuple(found[position : position + len(boundary)]))
             position += len(boundary)
-        stash.output_grads.append(None if self.spec.is_last else tuple(root_grads or ()))
-        stash.root_count = len(roots)  # type: ignore[attr-defined]
-        return () if self.spec.is_first else self._input_grads(stash, found[: len(wanted_inputs)])
+        stash.output_grads.append(None if self.spec.is_last else _final_grads(stash, grads))
+        by_leaf = {id(t): g for t, g in zip(wanted_inputs, found)}
+        return self._input_grads(stash, by_leaf)
 
     def backward_weight(self, microbatch: int) -> None:
         """The W half of a split backward: accumulate each layer's weight gradients."""
@@ -253,26 +316,19 @@ class ModelChunk:
             parameters = [p for p in layer.parameters() if p.requires_grad]
             if not parameters:
                 continue
-            is_final = offset == len(self.layers) - 1
-            if is_final and self.spec.is_last:
+            if offset == len(self.layers) - 1 and self.spec.is_last:
                 roots, root_grads = [stash.loss], None
             else:
                 outputs = [t for t in layer_output if t.requires_grad]
-                grads = stash.output_grads[offset]
-                pairs = [(t, g) for t, g in zip(outputs, grads or ()) if g is not None]
+                pairs = [
+                    (t, g) for t, g in zip(outputs, stash.output_grads[offset] or ()) if g is not None
+                ]
                 roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
             if not roots:
                 continue
-            found = self._autograd(
-                microbatch, "W", _grad_of, roots, root_grads, parameters, offset
-            )
-            for parameter, grad in zip(parameters, found):
-                if grad is None:
-                    continue
-                if parameter.grad is None:
-                    parameter.grad = grad.detach().clone()
-                else:
-                    parameter.grad.add_(grad)
+            found = self._autograd(microbatch, "W", _grad_of, roots, root_grads, parameters)
+            with self.grad_lock if self.grad_lock is not None else nullcontext():
+                _accumulate(parameters, found)
 
     def _autograd(self, microbatch: int, op: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -284,25 +340,31 @@ class ModelChunk:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    def infer(self, microbatch: int, inputs: Tensors) -> Tensors:
+    def infer(self, microbatch: int, inputs: Any) -> Any:
         """Forward for ``Pipe.__call__``: no stash, autograd graph kept if grad is enabled."""
-        is_tuple = isinstance(inputs, tuple)
-        with seeded(self.device, self._seed(microbatch), self.rng_lock):
-            outputs, _ = self._run_layers(microbatch, as_tuple(inputs), is_tuple, record=False)
-        return outputs[0] if len(outputs) == 1 else outputs
+        flat = flatten(inputs)
+        with ExitStack() as stack:
+            if self.deferred is not None:
+                stack.enter_context(self.deferred.recording(record=True))
+            outputs, _ = self._run_layers(microbatch, flat, record=False)
+        return outputs
 
 
-def _detach_any(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(_detach_any(v) for v in value)
-    return value
+def _final_grads(stash: _Stash, grads: Grads | None) -> Grads:
+    """The received output gradients, aligned with the last layer's recorded outputs."""
+    assert stash.outputs is not None
+    pairs = zip(stash.outputs.differentiable, grads or ())
+    return tuple(g for t, g in pairs if t.requires_grad)
 
 
-def _detach_outputs(outputs: tuple[torch.Tensor, ...]) -> Tensors:
-    detached = tuple(t.detach() for t in outputs)
-    return detached[0] if len(detached) == 1 else detached
+def _accumulate(parameters: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+    for parameter, grad in zip(parameters, grads):
+        if grad is None:
+            continue
+        if parameter.grad is None:
+            parameter.grad = grad.detach().clone()
+        else:
+            parameter.grad.add_(grad)
 
 
 def _grad_keeping_graph(
@@ -317,15 +379,6 @@ def _grad_of(
     roots: list[torch.Tensor],
     root_grads: list[torch.Tensor] | None,
     parameters: list[torch.Tensor],
-    _offset: int,
 ) -> tuple[torch.Tensor | None, ...]:
     # Each layer's subgraph is walked once, so its saved tensors can be freed as we go.
     return torch.autograd.grad(roots, parameters, root_grads, retain_graph=False, allow_unused=True)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

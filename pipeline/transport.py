@@ -10,16 +10,16 @@ import torch
 
 from schedules.dependencies import ActionKey
 
+from pipeline.payload import flatten, map_tensors
+
 
 class PipelineAborted(RuntimeError):
     """Raised in a stage that was waiting when another stage failed."""
 
 
 def move(payload: Any, device: torch.device) -> Any:
-    """A tensor or a tuple of tensors on ``device`` (differentiable, like ``Tensor.to``)."""
-    if isinstance(payload, tuple):
-        return tuple(t.to(device, non_blocking=True) for t in payload)
-    return payload.to(device, non_blocking=True)
+    """Every tensor of a payload on ``device`` (differentiable, like ``Tensor.to``)."""
+    return map_tensors(payload, lambda t: t.to(device, non_blocking=True))
 
 
 class LocalTransport:
@@ -91,7 +91,7 @@ class LocalEndpoint:
                 stream.wait_event(event)
             with torch.cuda.device(self.device):
                 moved = move(payload, self.device)
-            for tensor in payload if isinstance(payload, tuple) else (payload,):
+            for tensor in flatten(payload).tensors:
                 if tensor.device == self.device:
                     # Produced on the sender's stream, used on ours: keep the allocator off it.
                     tensor.record_stream(stream)

@@ -1,10 +1,15 @@
 """The wire format of DistTransport: one flat byte buffer per message.
 
-A message is a small int64 header (status, origin rank, whether the payload is
-a tuple, and the dtype and shape of each tensor), then each tensor's bytes, each
+A message is a small int64 header (status, origin rank, the payload's kind: one
+tensor, a tuple of tensors, or any other structure, whose shape and non-tensor
+leaves then travel as a last uint8 "tensor"; and the dtype and shape of each
+tensor), then each tensor's bytes, each
 starting at a multiple of ``ALIGNMENT`` so that the receiver's tensors are views
 of the buffer. A failure's header carries the error's text instead of shapes.
 ``BufferPool`` keeps the buffers, by size, for reuse.
+
+Every field read from a header is checked against its bounds (``HeaderError``):
+a corrupt or hostile header must not allocate terabytes or read past its message.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from collections.abc import Sequence
 
 import torch
 
-MAX_TENSORS = 8
+MAX_TENSORS = 16
 MAX_DIMS = 8
-HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, is_tuple, count; per tensor
+MAX_MESSAGE_BYTES = 16 << 30  # what a header may announce, at most (16 GiB)
+HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, kind, count; per tensor
 HEADER_BYTES = HEADER_SLOTS * 8
 ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
 OK, FAILED, NEXT = 0, 1, 2  # a message's status
+TENSOR, TUPLE, STRUCTURED = 0, 1, 2  # a payload's kind
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -43,11 +50,15 @@ def message_size(metas: Metas) -> int:
     return HEADER_BYTES + sum(_aligned(_nbytes(dtype, shape)) for dtype, shape in metas)
 
 
-def encode_header(metas: Metas, is_tuple: bool) -> torch.Tensor:
-    """The header describing tensors of these (dtype, shape)s."""
+class HeaderError(ValueError):
+    """A header that no sender of this format writes: corrupt, truncated or hostile."""
+
+
+def encode_header(metas: Metas, kind: int) -> torch.Tensor:
+    """The header describing tensors of these (dtype, shape)s, for a payload of ``kind``."""
     if len(metas) > MAX_TENSORS:
         raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
-    values = [OK, 0, int(is_tuple), len(metas)]
+    values = [OK, 0, int(kind), len(metas)]
     for dtype, shape in metas:
         if len(shape) > MAX_DIMS or dtype not in _DTYPES:
             raise ValueError(
@@ -60,15 +71,37 @@ def encode_header(metas: Metas, is_tuple: bool) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> tuple[bool, Metas]:
-    """``(is_tuple, ((dtype, shape), ...))`` from a header with status OK or NEXT."""
+def decode_header(header: torch.Tensor, limit: int = MAX_MESSAGE_BYTES) -> tuple[int, Metas]:
+    """``(kind, ((dtype, shape), ...))`` from a header with status OK or NEXT.
+
+    Raises:
+        HeaderError: a field out of its bounds (kind, count, dtype, dimensions, a size
+            below zero, or a message larger than ``limit`` bytes).
+    """
     values = header.tolist()
+    if len(values) < HEADER_SLOTS:
+        raise HeaderError(f"a header has {HEADER_SLOTS} slots, got {len(values)}")
+    kind, count = values[2], values[3]
+    if kind not in (TENSOR, TUPLE, STRUCTURED):
+        raise HeaderError(f"payload kind must be 0, 1 or 2, got {kind}")
+    if not 1 <= count <= MAX_TENSORS:
+        raise HeaderError(f"tensor count must be in 1..{MAX_TENSORS}, got {count}")
     metas = []
-    for index in range(values[3]):
+    for index in range(count):
         base = 4 + index * (2 + MAX_DIMS)
-        ndim = values[base + 1]
-        metas.append((_DTYPES[values[base]], tuple(values[base + 2 : base + 2 + ndim])))
-    return bool(values[2]), tuple(metas)
+        dtype_index, ndim = values[base], values[base + 1]
+        if not 0 <= dtype_index < len(_DTYPES):
+            raise HeaderError(f"dtype index must be in 0..{len(_DTYPES) - 1}, got {dtype_index}")
+        if not 0 <= ndim <= MAX_DIMS:
+            raise HeaderError(f"a tensor has 0..{MAX_DIMS} dimensions, got {ndim}")
+        shape = tuple(values[base + 2 : base + 2 + ndim])
+        if any(size < 0 or size > limit for size in shape):
+            raise HeaderError(f"sizes must be in 0..{limit}, got shape {shape}")
+        metas.append((_DTYPES[dtype_index], shape))
+    size = message_size(tuple(metas))
+    if size > limit:
+        raise HeaderError(f"the header announces {size} bytes, more than the limit of {limit}")
+    return kind, tuple(metas)
 
 
 def encode_failure(origin: int, reason: str) -> torch.Tensor:
@@ -84,8 +117,8 @@ def encode_failure(origin: int, reason: str) -> torch.Tensor:
 
 
 def decode_failure(header: torch.Tensor) -> tuple[int, str]:
-    """``(origin rank, reason)`` from a failure header."""
-    length = int(header[2])
+    """``(origin rank, reason)`` from a failure header (text cut to what the header holds)."""
+    length = max(0, min(int(header[2]), (HEADER_SLOTS - 4) * 8))
     raw = header[4:].numpy().tobytes()[:length]
     return int(header[1]), raw.decode("utf-8", "replace")
 

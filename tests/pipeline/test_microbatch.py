@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.microbatch import as_tuple, batch_size, from_tuple, merge, split
+from pipeline.microbatch import batch_size, merge, split
 
 
 def test_split_follows_tensor_split_with_the_remainder_first() -> None:
@@ -69,15 +69,21 @@ def test_batch_size_of_a_scalar_or_a_non_tensor() -> None:
     with pytest.raises(TypeError, match=r"with a batch dimension, got Tensor"):
         batch_size(torch.tensor(2.0))
     with pytest.raises(TypeError, match=r"got int"):
-        batch_size((3, torch.randn(2)))  # type: ignore[arg-type]
+        batch_size((3, None))  # type: ignore[arg-type]
     assert batch_size((torch.randn(5, 1), torch.randn(5))) == 5
+    assert batch_size((3, {"tokens": torch.zeros(4, 2)})) == 4
 
 
-def test_as_tuple_and_back() -> None:
-    t = torch.randn(2)
-    assert as_tuple(t) == (t,)
-    assert from_tuple((t,), like_tuple=False) is t
-    pair = (t, t)
-    assert as_tuple(pair) is pair
-    assert from_tuple(pair, like_tuple=True) is pair
-    assert from_tuple((t,), like_tuple=True) == (t,)
+def test_nested_batches_split_leaf_by_leaf_and_merge_back() -> None:
+    batch = {"tokens": torch.arange(10).view(5, 2), "extra": (torch.randn(5), 7, None)}
+    parts = split(batch, 2)
+    assert [p["tokens"].shape[0] for p in parts] == [3, 2]
+    assert parts[1]["extra"][1] == 7 and parts[1]["extra"][2] is None
+    merged = merge(parts)
+    assert torch.equal(merged["tokens"], batch["tokens"])
+    assert torch.equal(merged["extra"][0], batch["extra"][0]) and merged["extra"][1] == 7
+
+
+def test_nested_batches_must_agree_on_rows() -> None:
+    with pytest.raises(ValueError, match=r"share dim 0, got sizes \[3, 5\]"):
+        split({"a": torch.zeros(3), "b": torch.zeros(5)}, 2)
