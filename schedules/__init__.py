@@ -14,6 +14,9 @@ from schedules.zb import zero_bubble_capped
 from schedules.simulate import simulate, simulate_measured
 from schedules.timeline import Event, Timeline
 from schedules.validate import validate
+from schedules.validate import validate_comm
+from schedules.comm import CommOp, CommPlan, Group, comm_plan
+from schedules.forward import forward_only
 from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
 from schedules.zero_bubble_v import zero_bubble_v
 
@@ -48,4 +51,10 @@ __all__ = [
     "v_half",
     "v_min",
     "zero_bubble_capped",
+    "CommOp",
+    "CommPlan",
+    "Group",
+    "comm_plan",
+    "forward_only",
+    "validate_comm",
 ]

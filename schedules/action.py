@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from typing import Any
 
 
 class ScheduleError(ValueError):
@@ -39,6 +41,19 @@ class Action:
     microbatch: int
     chunk: int = 0
 
+    def __post_init__(self) -> None:
+        # Hot path (generators build 10^5 actions): exact types pass with three checks.
+        op, microbatch, chunk = self.op, self.microbatch, self.chunk
+        if op.__class__ is not Op:
+            raise TypeError(
+                f"Action op must be an Op member (Op.F, Op.B, Op.I or Op.W), got {op!r} "
+                f"({type(op).__name__}); for text use Action.parse('F3')"
+            )
+        if microbatch.__class__ is not int or microbatch < 0:
+            object.__setattr__(self, "microbatch", _index("microbatch", microbatch))
+        if chunk.__class__ is not int or chunk < 0:
+            object.__setattr__(self, "chunk", _index("chunk", chunk))
+
     def __str__(self) -> str:
         suffix = f"@c{self.chunk}" if self.chunk else ""
         return f"{self.op.value}{self.microbatch}{suffix}"
@@ -60,6 +75,28 @@ class Action:
         return cls(Op(op), int(microbatch), int(chunk or 0))
 
 
+def _index(name: str, value: Any) -> int:
+    """``value`` as an int >= 0 (numpy integers welcome), or a TypeError/ValueError saying so."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"Action {name} must be an int >= 0, got {value!r} ({type(value).__name__})")
+    number = operator.index(value)
+    if number < 0:
+        raise ValueError(f"Action {name} must be an int >= 0, got {number}")
+    return number
+
+
+def _count(name: str, value: Any) -> int:
+    """A schedule's stage or micro-batch count: an int >= 1, or a TypeError/ValueError."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(
+            f"a schedule needs {name} as an int >= 1, got {value!r} ({type(value).__name__})"
+        )
+    number = operator.index(value)
+    if number < 1:
+        raise ValueError(f"a schedule needs {name} >= 1, got {name}={number}")
+    return number
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A complete pipeline timetable: for every stage, its actions in execution order.
@@ -71,6 +108,8 @@ class Schedule:
         placement: ``placement[chunk]`` is the stage that holds model chunk ``chunk``;
             by default chunk ``s`` lives on stage ``s`` (one chunk per stage).
         name: the generator's name, for titles and error messages.
+        forward_only: True for an inference timetable (``pipe(x)``): forwards only,
+            which ``validate`` then accepts without backwards (and rejects with any).
     """
 
     stages: int
@@ -78,14 +117,13 @@ class Schedule:
     order: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...] = ()
     name: str = "custom"
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
-        if self.stages < 1:
-            raise ValueError(f"a schedule needs stages >= 1, got stages={self.stages}")
-        if self.microbatches < 1:
-            raise ValueError(
-                f"a schedule needs microbatches >= 1, got microbatches={self.microbatches}"
-            )
+        object.__setattr__(self, "stages", _count("stages", self.stages))
+        object.__setattr__(self, "microbatches", _count("microbatches", self.microbatches))
+        if not isinstance(self.forward_only, bool):
+            raise TypeError(f"forward_only must be a bool, got {self.forward_only!r}")
         order = tuple(tuple(actions) for actions in self.order)
         object.__setattr__(self, "order", order)
         if len(order) != self.stages:
@@ -93,6 +131,7 @@ class Schedule:
                 f"order must have one action list per stage: expected {self.stages}, "
                 f"got {len(order)}"
             )
+        _check_actions_are_actions(order)
         placement = tuple(self.placement) or tuple(range(self.stages))
         object.__setattr__(self, "placement", placement)
         bad = [stage for stage in placement if not 0 <= stage < self.stages]
@@ -133,6 +172,17 @@ class Schedule:
 
     def __str__(self) -> str:
         return format_order(self)
+
+
+def _check_actions_are_actions(order: tuple[tuple[Any, ...], ...]) -> None:
+    for stage, actions in enumerate(order):
+        for index, action in enumerate(actions):
+            if not isinstance(action, Action):
+                raise TypeError(
+                    f"order[{stage}][{index}] must be an Action, got {action!r} "
+                    f"({type(action).__name__}); build one with Action(Op.F, 3) or "
+                    f"Action.parse('F3')"
+                )
 
 
 def format_order(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from schedules.action import Op
+from schedules.action import Action, Op
 from schedules.timeline import Event, Timeline
+
+if TYPE_CHECKING:
+    from schedules.comm import CommPlan
 
 OP_COLOURS = {
     Op.F: "#4C72B0",  # blue
@@ -33,7 +36,9 @@ _MARGINS = {"left": 0.85, "right": 1.4, "top": 0.45, "bottom": 0.5}
 _MIN_AXES_INCHES, _MAX_AXES_INCHES = 5.0, 36.0
 
 
-def plot_timeline(timeline: Timeline, ax: Any = None, title: str | None = None) -> Any:
+def plot_timeline(
+    timeline: Timeline, ax: Any = None, title: str | None = None, comm: CommPlan | None = None
+) -> Any:
     """Draw ``timeline`` on ``ax`` (a new figure if None) and return the Axes.
 
     Stage 0 is the top row. Each action is a box coloured by its op with its
@@ -49,14 +54,23 @@ def plot_timeline(timeline: Timeline, ax: Any = None, title: str | None = None) 
         timeline: a simulated or measured Timeline.
         ax: a matplotlib Axes to draw on, or None for a new figure.
         title: replaces the default title (the timeline's name).
+        comm: a comm plan of the timeline's schedule; if given, every message is an
+            arrow from the end of its producer's box to the start of the box that
+            first needs it, dark for activations, grey for gradients, drawn under
+            the numbers. A stage's receives are posted before that box starts.
 
     Returns:
         The matplotlib Axes.
+
+    Raises:
+        ValueError: ``comm`` moves a result the timeline has no event for.
     """
     labels = {event: _label(timeline, event) for event in timeline.events}
     if ax is None:
         ax = _new_axes(timeline, labels)
     _draw_boxes(ax, timeline)
+    if comm is not None:
+        _draw_messages(ax, timeline, comm)
     _draw_labels(ax, timeline, labels)
     _decorate(ax, timeline, title)
     return ax
@@ -178,6 +192,54 @@ def _draw_labels(ax: Any, timeline: Timeline, labels: dict[Event, str]) -> None:
                 fontsize=fontsize,
                 color="white",
             )
+
+
+_ARROW_COLOURS = {Op.F: "#222222", Op.B: "#888888", Op.I: "#888888"}
+
+
+def _draw_messages(ax: Any, timeline: Timeline, comm: CommPlan) -> None:
+    """An arrow per received message: producer's end to its first consumer's start."""
+    from schedules.dependencies import dependencies
+
+    events = {(event.stage, event.action): event for event in timeline.events}
+    origin = timeline.start
+    for stage, steps in enumerate(comm.stages):
+        first: dict[Action, Action] = {}
+        for step in steps:
+            if isinstance(step, Action):
+                for needed in dependencies(comm.schedule, step):
+                    first.setdefault(needed, step)
+        for step in steps:
+            if isinstance(step, Action):
+                continue
+            for op in step.ops:
+                if op.kind != "recv":
+                    continue
+                consumer = first.get(op.producer)
+                start = events.get((op.peer, op.producer))
+                end = events.get((stage, consumer)) if consumer is not None else None
+                if start is None or end is None:
+                    missing = op.producer if start is None else consumer
+                    raise ValueError(
+                        f"comm plan and timeline differ: the plan moves {op.producer} from "
+                        f"stage {op.peer} to stage {stage}, but the timeline has no event for "
+                        f"{missing}; pass the plan of the schedule the timeline ran"
+                    )
+                colour = _ARROW_COLOURS.get(op.producer.op, "grey")
+                _arrow(ax, timeline, start, end, origin, colour)
+
+
+def _arrow(ax: Any, timeline: Timeline, source: Event, target: Event, origin: float,
+           colour: str) -> None:
+    down = source.stage < target.stage  # stage 0 is the top row
+    y0 = _row(timeline, source.stage) + (-0.4 if down else 0.4)
+    y1 = _row(timeline, target.stage) + (0.4 if down else -0.4)
+    ax.annotate(
+        "", xy=(target.start - origin, y1), xytext=(source.end - origin, y0),
+        arrowprops={"arrowstyle": "-|>", "color": colour, "lw": 0.8, "alpha": 0.8,
+                    "shrinkA": 0, "shrinkB": 0, "mutation_scale": 7},
+        zorder=3,
+    )
 
 
 def _decorate(ax: Any, timeline: Timeline, title: str | None) -> None:

@@ -121,3 +121,51 @@ def test_format_order_marks_the_position_and_shows_a_window():
         "stage 1: ... F8@c1 F9@c1 [F10@c1] F11@c1 F12@c1",
     ]
     assert format_order(schedule, around=(0, 1), width=1).splitlines()[0] == "stage 0: F0 [F1] F2"
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        (("F", 3), TypeError, r"op must be an Op member .*got 'F' \(str\); for text use Action.parse"),
+        ((Op.F, "3"), TypeError, r"microbatch must be an int >= 0, got '3' \(str\)"),
+        ((Op.F, 3, "1"), TypeError, r"chunk must be an int >= 0, got '1' \(str\)"),
+        ((Op.F, 3.0), TypeError, r"microbatch must be an int >= 0, got 3.0 \(float\)"),
+        ((Op.F, True), TypeError, r"microbatch must be an int >= 0, got True \(bool\)"),
+        ((Op.F, -1), ValueError, r"microbatch must be an int >= 0, got -1"),
+        ((Op.F, 0, -2), ValueError, r"chunk must be an int >= 0, got -2"),
+    ],
+)
+def test_action_rejects_bad_fields_saying_expected_and_given(args, error, message):
+    with pytest.raises(error, match=message):
+        Action(*args)
+
+
+def test_action_accepts_integer_likes_and_stores_ints():
+    numpy = pytest.importorskip("numpy")
+    action = Action(Op.I, numpy.int64(3), numpy.int32(1))
+    assert action == Action(Op.I, 3, 1) and type(action.microbatch) is int
+    assert str(action) == "I3@c1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"stages": 1, "microbatches": 1, "order": (("F0",),)}, TypeError,
+         r"order\[0\]\[0\] must be an Action, got 'F0' \(str\); build one with"),
+        ({"stages": 2, "microbatches": 1, "order": ((Action(Op.F, 0),), (None,))}, TypeError,
+         r"order\[1\]\[0\] must be an Action, got None"),
+        ({"stages": "2", "microbatches": 1, "order": ((), ())}, TypeError,
+         r"stages as an int >= 1, got '2' \(str\)"),
+        ({"stages": 1, "microbatches": 1.5, "order": ((),)}, TypeError,
+         r"microbatches as an int >= 1, got 1.5"),
+        ({"stages": 1, "microbatches": 1, "order": ((),), "forward_only": "yes"}, TypeError,
+         r"forward_only must be a bool, got 'yes'"),
+    ],
+)
+def test_schedule_rejects_wrong_types(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        Schedule(**kwargs)
+
+
+def test_schedule_is_training_by_default():
+    assert _two_stage(["F0 F1 B0 B1", "F0@c1 F1@c1 B0@c1 B1@c1"]).forward_only is False

@@ -195,3 +195,41 @@ def test_empty_timeline_draws_nothing():
     ax = plot_timeline(Timeline(stages=2, events=()))
     assert not ax.collections and not ax.texts
     assert "bubble 0.0%" in ax.get_title(loc="left")
+
+
+@pytest.mark.parametrize(("name", "stages", "microbatches"),
+                         [("1f1b", 4, 8), ("zb-v", 3, 6), ("interleaved-1f1b", 3, 6)])
+def test_comm_plan_draws_an_arrow_per_message(tmp_path, name, stages, microbatches):
+    from matplotlib.text import Annotation
+
+    from schedules import comm_plan, get_schedule, transfers
+
+    schedule = get_schedule(name, stages, microbatches)
+    timeline = simulate(schedule, comm=0.2)
+    plan = comm_plan(schedule)
+    ax = plot_timeline(timeline, comm=plan)
+    arrows = [child for child in ax.get_children() if isinstance(child, Annotation)]
+    messages = {(t.producer, t.destination) for t in transfers(schedule)}
+    assert len(arrows) == len(messages) > 0
+    # Each arrow runs from its producer's end to its first consumer's start.
+    ends = {e.end - timeline.start for e in timeline.events}
+    starts = {e.start - timeline.start for e in timeline.events}
+    for arrow in arrows:
+        assert min(abs(arrow.xyann[0] - x) for x in ends) < 1e-9
+        assert min(abs(arrow.xy[0] - x) for x in starts) < 1e-9
+        assert arrow.xyann[0] <= arrow.xy[0] + 1e-9  # data moves forward in time
+    # The numbers are still there, one per box, drawn above the arrows.
+    numbers = [text for text in ax.texts if not isinstance(text, Annotation)]
+    assert len(numbers) == len(timeline.events)
+    assert min(t.get_zorder() for t in numbers) >= max(a.get_zorder() for a in arrows)
+    path = tmp_path / f"{name}.png"
+    ax.figure.savefig(path)
+    assert path.stat().st_size > 10_000
+
+
+def test_comm_plan_of_another_schedule_is_refused():
+    from schedules import comm_plan
+
+    timeline = simulate(one_f_one_b(2, 2))
+    with pytest.raises(ValueError, match=r"comm plan and timeline differ: .*no event for (F2|B2@c1)"):
+        plot_timeline(timeline, comm=comm_plan(one_f_one_b(2, 3)))

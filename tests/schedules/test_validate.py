@@ -247,3 +247,9 @@ def test_missing_action_window_shows_where_it_belongs_and_marks_no_innocent_acti
     assert set(marked) <= {"B30@c1"}, f"present actions marked as the culprit: {marked}"
     stage_1 = next(line for line in window if line.startswith("stage 1:"))
     assert "B29@c1" in stage_1  # the neighbourhood B30@c1 was dropped from
+
+
+def test_missing_forward_of_microbatch_zero_is_named():
+    # The window looks for "the same op of the previous micro-batch": there is none for 0.
+    with pytest.raises(ScheduleError, match=r"F0@c1 is missing from stage 1"):
+        validate(_parse_order(["F0 B0", "B0@c1"], microbatches=1))

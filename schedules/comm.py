@@ -1,0 +1,487 @@
+"""Communication as data: where every send and receive sits between a stage's actions.
+
+A schedule fixes the order of compute; ``comm_plan`` adds, per stage, the
+point-to-point operations that move activations and gradients between stages,
+grouped into the batches a runtime posts together, and ``validate_comm`` proves
+the result cannot stall. Every transport executes the same plan.
+
+Why the plan is built, not left to the runtime
+----------------------------------------------
+The obvious runtime posts a receive just before the action that consumes it
+and a send just after the action that produces it. gloo tolerates that: it
+buffers small sends and matches by tag. NCCL does neither. It ignores tags,
+matches the n-th send on a communicator from A to B with the n-th receive there
+at B from A, and (in the worst case, which is the one to design for) a send does
+not complete until its receive has been posted. Under those rules 1F1B deadlocks
+at two stages: stage 0 sends F1 while stage 1 sends B0, and neither reaches the
+receive the other waits on. Fusing each action's sends with the next action's
+receives (Megatron's ``send_forward_recv_backward``) fixes 1F1B and ZB-H1, but
+not interleaved 1F1B, ZB-H2 or ZB-V, where a stage's next receive is not from the
+peer its last send went to. So the plan is derived here, for any schedule, and
+checked under NCCL's rules rather than trusted.
+
+The always-correct construction, and why it is not enough
+---------------------------------------------------------
+Take one global order of the actions that respects the dependencies (the
+replay order) and let both ends of every transfer post it, one op per group,
+right after the producer in that order (``strategy="ordered"``). Each stage's
+plan is then the projection of one global sequence of events, so the first event
+not yet done can always happen: both stages it involves have it next. It never
+deadlocks, but it serialises: a receiver must take each message at the point the
+global order chose, even when it could have been computing, and every message is
+a separate synchronisation.
+
+The default: a rendezvous simulation, then one group per gap
+------------------------------------------------------------
+``strategy="overlap"`` runs the schedule once, with ``simulate``'s default
+costs, under NCCL's rule that a message moves only when both stages are between
+actions (in a "gap"). A stage finishing an action holds its results as pending
+sends; a message moves the moment its two stages are both in a gap; a stage
+leaves its gap as soon as its next action's inputs have arrived. Two refinements:
+
+- *Receives are posted as early as is safe*: a stage waiting in a gap takes any
+  message addressed to it whose sender is also in a gap, even one for a later
+  action, so the data has crossed before it is needed.
+- *Sends are not held back needlessly*: a sender leaves its gap with a send still
+  pending (it goes out at a later gap) unless the receiver needs it for its very
+  next action and will reach its gap before the sender's next action would end;
+  then the sender waits, which costs less than making the receiver wait.
+
+Every message moved in a stage's gap then becomes one op of one group posted in
+that gap, in the order they moved: a send and the next receive, with one peer or
+two, fuse into one batch (Megatron's fused send-and-receive, generalised to any
+peers), and a stage synchronises once per gap instead of once per message.
+
+Why that cannot deadlock: the simulation is a global sequence of arrivals in
+gaps, messages and departures. In the plan a group is posted no later than the
+simulated arrival in its gap (induction over that sequence: every group a gap's
+ops pair with was posted before the message moved, hence before the departure
+from the previous gap), so every group completes. Each channel carries a pair's
+messages in the order they moved, on both sides, so the n-th send and the n-th
+receive are the same message. ``validate_comm`` checks both anyway, for every
+plan, in time linear in its size.
+
+Channels: activations (sent by forwards) go on channel 0, gradients (sent by
+backwards) on channel 1, two communicators. Matching is per channel, so the two
+directions never queue behind each other, and a runtime that posts the receives
+of a later group early (gloo may) keeps each channel's order. ``"naive"`` is the
+plan the runtime posts today, one op per group on one channel, kept so tests can
+show it fails; ``"paired"`` is the Megatron fusion above.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, Union
+
+from schedules._speed import gc_paused
+from schedules.action import Action, Op, Schedule
+from schedules.dependencies import ActionKey, dependency_keys
+from schedules.validate import feasible_order, validate
+
+Kind = Literal["send", "recv"]
+Strategy = Literal["overlap", "ordered", "paired", "naive"]
+STRATEGIES: tuple[str, ...] = ("overlap", "ordered", "paired", "naive")
+MAX_CHANNELS = 4  # communicators a runtime may create for one pipeline
+ACTIVATIONS, GRADIENTS = 0, 1  # the channels comm_plan uses
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One point-to-point operation: send ``producer``'s result to ``peer``, or receive it.
+
+    Attributes:
+        kind: ``"send"`` or ``"recv"``.
+        peer: the other stage.
+        producer: the action whose result moves (an activation for ``F``, an input
+            gradient for ``B`` or ``I``).
+        channel: the communicator, 0..3; messages match in order per channel and pair.
+    """
+
+    kind: Kind
+    peer: int
+    producer: Action
+    channel: int = 0
+
+    @property
+    def key(self) -> ActionKey:
+        """The producer as an ``(op, microbatch, chunk)`` key, as the runtime files payloads."""
+        return (self.producer.op, self.producer.microbatch, self.producer.chunk)
+
+    def __str__(self) -> str:
+        arrow = "->" if self.kind == "send" else "<-"
+        suffix = f" ch{self.channel}" if self.channel else ""
+        return f"{self.kind} {self.producer} {arrow} {self.peer}{suffix}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True)
+class Group:
+    """Operations posted together (one ``batch_isend_irecv`` per channel); a stage moves on
+    only when all of them have completed."""
+
+    ops: tuple[CommOp, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if not self.ops:
+            raise ValueError("a Group needs at least one op, got none")
+
+    def batches(self) -> tuple[tuple[int, tuple[CommOp, ...]], ...]:
+        """``(channel, ops)`` per channel, in first-use order: one batch each to post."""
+        by_channel: dict[int, list[CommOp]] = {}
+        for op in self.ops:
+            by_channel.setdefault(op.channel, []).append(op)
+        return tuple((channel, tuple(ops)) for channel, ops in by_channel.items())
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(op) for op in self.ops) + "]"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+Step = Union[Action, Group]
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """A schedule with its communication: ``stages[s]`` is what stage s runs, in order.
+
+    A runtime walks ``stages[s]``: it runs each ``Action`` and posts each ``Group``
+    (one batch per channel) and waits for it before the next step.
+
+    Attributes:
+        schedule: the timetable whose compute order the plan keeps exactly.
+        stages: per stage, a tuple of steps, each an ``Action`` or a ``Group``.
+        strategy: how it was built (see ``comm_plan``), for messages.
+    """
+
+    schedule: Schedule
+    stages: tuple[tuple[Step, ...], ...]
+    strategy: str = "custom"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(tuple(steps) for steps in self.stages))
+        if len(self.stages) != self.schedule.stages:
+            raise ValueError(
+                f"a comm plan needs one step list per stage: expected "
+                f"{self.schedule.stages}, got {len(self.stages)}"
+            )
+
+    def groups(self, stage: int) -> tuple[Group, ...]:
+        """The groups ``stage`` posts, in order."""
+        return tuple(step for step in self.stages[stage] if isinstance(step, Group))
+
+    def receives(self, stage: int) -> tuple[CommOp, ...]:
+        """The receives ``stage`` posts, in order (what a runtime may pre-allocate)."""
+        return tuple(op for group in self.groups(stage) for op in group.ops if op.kind == "recv")
+
+    def sends(self, stage: int) -> tuple[CommOp, ...]:
+        """The sends ``stage`` posts, in order."""
+        return tuple(op for group in self.groups(stage) for op in group.ops if op.kind == "send")
+
+    @cached_property
+    def channels(self) -> tuple[int, ...]:
+        """The channels used, sorted: one communicator each."""
+        return tuple(sorted({
+            op.channel for steps in self.stages for step in steps
+            if isinstance(step, Group) for op in step.ops
+        }))
+
+    def peers(self, stage: int) -> tuple[int, ...]:
+        """The stages ``stage`` exchanges messages with, sorted."""
+        return tuple(sorted({op.peer for group in self.groups(stage) for op in group.ops}))
+
+    def __str__(self) -> str:
+        return format_plan(self)
+
+
+def format_plan(plan: CommPlan, around: Mapping[int, int] | None = None, width: int = 3) -> str:
+    """The plan as text, one line per stage; ``around={stage: step}`` shows only those
+    stages, ``width`` steps either side of the step, which is marked ``>>``.
+
+    Args:
+        plan: the plan to print.
+        around: stages to show and the step to centre on and mark, or None for all.
+        width: how many neighbouring steps to show either side.
+    """
+    lines = []
+    for stage, steps in enumerate(plan.stages):
+        texts = [str(step) for step in steps]
+        if around is None:
+            lines.append(f"stage {stage}: {' '.join(texts)}")
+            continue
+        if stage not in around:
+            continue
+        at = around[stage]
+        if at < len(texts):
+            texts[at] = ">>" + texts[at]
+        start, stop = max(0, at - width), at + width + 1
+        prefix = "... " if start else ""
+        suffix = " ..." if stop < len(texts) else ""
+        lines.append(f"stage {stage}: {prefix}{' '.join(texts[start:stop])}{suffix}")
+    return "\n".join(lines)
+
+
+def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
+    """Derive the sends and receives of ``schedule``, grouped and placed between its actions.
+
+    >>> from schedules import one_f_one_b
+    >>> print(comm_plan(one_f_one_b(stages=2, microbatches=2)))
+    stage 0: F0 [send F0 -> 1] F1 [send F1 -> 1, recv B0@c1 <- 1 ch1] B0 [recv B1@c1 <- 1 ch1] B1
+    stage 1: [recv F0 <- 0] F0@c1 [recv F1 <- 0] B0@c1 [send B0@c1 -> 0 ch1] F1@c1 B1@c1 [send B1@c1 -> 0 ch1]
+
+    Args:
+        schedule: a valid timetable (training or forward-only).
+        strategy: ``"overlap"`` (default; see the module docstring), ``"ordered"``
+            (one global order, always correct, serialising), ``"paired"`` (each
+            action's sends with the next action's receives, Megatron's fusion;
+            deadlocks some schedules) or ``"naive"`` (one op per group just after
+            its producer and before its consumer, one channel: what a runtime does
+            left to itself; deadlocks under NCCL's rules).
+
+    Returns:
+        The CommPlan; ``validate_comm`` proves the ``"overlap"`` and ``"ordered"`` ones.
+
+    Raises:
+        ValueError: an unknown strategy.
+        ScheduleError: the schedule itself cannot run.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of: {', '.join(STRATEGIES)}")
+    validate(schedule)
+    with gc_paused():
+        messages = _messages(schedule)
+        if strategy == "overlap":
+            stages = _overlap(schedule, messages)
+        elif strategy == "ordered":
+            stages = _ordered(schedule, messages)
+        else:
+            stages = _local(schedule, messages, paired=strategy == "paired")
+    return CommPlan(schedule, stages, strategy)
+
+
+class _Message:
+    """A result crossing stages once: the action at ``(source, produced_at)`` in the
+    schedule's order, sent to ``destination``, where the action at ``consumer_index``
+    needs it first. Internal and mutable: ``moved`` is the simulation's flag."""
+
+    __slots__ = ("producer", "source", "produced_at", "destination", "consumer_index",
+                 "channel", "moved")
+
+    def __init__(self, producer: Action, source: int, produced_at: int, destination: int,
+                 consumer_index: int) -> None:
+        self.producer, self.source, self.produced_at = producer, source, produced_at
+        self.destination, self.consumer_index = destination, consumer_index
+        self.channel = ACTIVATIONS if producer.op is Op.F else GRADIENTS
+        self.moved = False
+
+    def op(self, kind: Kind, channel: int | None = None) -> CommOp:
+        peer = self.destination if kind == "send" else self.source
+        return CommOp(kind, peer, self.producer, self.channel if channel is None else channel)
+
+
+def _messages(schedule: Schedule) -> list[_Message]:
+    """One message per (producer, destination stage), by the rule of ``dependency_keys``."""
+    where: dict[ActionKey, tuple[int, int]] = {}
+    for stage, actions in enumerate(schedule.order):
+        for index, action in enumerate(actions):
+            where[(action.op, action.microbatch, action.chunk)] = (stage, index)
+    placement, order = schedule.placement, schedule.order
+    seen: set[tuple[ActionKey, int]] = set()
+    messages = []
+    for stage, actions in enumerate(order):
+        for index, action in enumerate(actions):
+            for key in dependency_keys(schedule, action.op, action.microbatch, action.chunk):
+                if placement[key[2]] != stage and (key, stage) not in seen:
+                    seen.add((key, stage))  # the first consumer comes first
+                    source, at = where[key]
+                    messages.append(_Message(order[source][at], source, at, stage, index))
+    return messages
+
+
+def _outgoing(schedule: Schedule, messages: list[_Message]) -> list[list[list[_Message]]]:
+    """``out[stage][index]``: the messages the action at that place produces."""
+    out: list[list[list[_Message]]] = [[[] for _ in actions] for actions in schedule.order]
+    for message in messages:
+        out[message.source][message.produced_at].append(message)
+    return out
+
+
+def _incoming(schedule: Schedule, messages: list[_Message]) -> list[list[list[_Message]]]:
+    """``needs[stage][index]``: the messages the action at that place needs first."""
+    needs: list[list[list[_Message]]] = [[[] for _ in actions] for actions in schedule.order]
+    for message in messages:
+        needs[message.destination][message.consumer_index].append(message)
+    return needs
+
+
+def _local(schedule: Schedule, messages: list[_Message], paired: bool) -> list[list[Step]]:
+    """``"naive"`` and ``"paired"``: each op placed by its own stage alone."""
+    sends, receives = _outgoing(schedule, messages), _incoming(schedule, messages)
+    channel = None if paired else 0
+    stages: list[list[Step]] = []
+    for stage, actions in enumerate(schedule.order):
+        steps: list[Step] = []
+        outgoing: list[CommOp] = []
+        for index, action in enumerate(actions):
+            incoming = [m.op("recv", channel) for m in receives[stage][index]]
+            steps.extend(_grouped(outgoing + incoming, together=paired))
+            steps.append(action)
+            outgoing = [m.op("send", channel) for m in sends[stage][index]]
+        steps.extend(_grouped(outgoing, together=paired))
+        stages.append(steps)
+    return stages
+
+
+def _grouped(ops: list[CommOp], together: bool) -> list[Group]:
+    if together:
+        return [Group(tuple(ops))] if ops else []
+    return [Group((op,)) for op in ops]
+
+
+def _ordered(schedule: Schedule, messages: list[_Message]) -> list[list[Step]]:
+    """``"ordered"``: both ends post each message right after its producer in the replay order."""
+    sends = _outgoing(schedule, messages)
+    stages: list[list[Step]] = [[] for _ in range(schedule.stages)]
+    done = [0] * schedule.stages
+    for stage, action, _ in feasible_order(schedule):
+        stages[stage].append(action)
+        for message in sends[stage][done[stage]]:
+            stages[message.source].append(Group((message.op("send"),)))
+            stages[message.destination].append(Group((message.op("recv"),)))
+        done[stage] += 1
+    return stages
+
+
+def _overlap(schedule: Schedule, messages: list[_Message]) -> list[list[Step]]:
+    """``"overlap"``: the rendezvous simulation of the module docstring, one group per gap."""
+    gaps = _Rendezvous(schedule, messages).run()
+    stages: list[list[Step]] = []
+    for stage, actions in enumerate(schedule.order):
+        steps: list[Step] = []
+        for index, action in enumerate(actions):
+            ops = gaps[stage].get(index)
+            if ops:
+                steps.append(Group(tuple(ops)))
+            steps.append(action)
+        if gaps[stage].get(len(actions)):
+            steps.append(Group(tuple(gaps[stage][len(actions)])))
+        stages.append(steps)
+    return stages
+
+
+def _durations(schedule: Schedule) -> list[list[float]]:
+    """Per stage and action, ``simulate``'s default cost: F 1, B 2, I and W 1 each, a stage's
+    share split evenly between its chunks."""
+    unit = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
+    return [
+        [unit[action.op] / len(chunks) for action in actions]
+        for actions, chunks in zip(schedule.order, schedule.chunks_of_stage)
+    ]
+
+
+class _Rendezvous:
+    """The simulation behind ``"overlap"``: stages run their actions with costs, and a
+    message moves only while both of its stages wait between actions (in a gap).
+
+    ``position[s]`` is the gap stage s is in, or, while it computes, the gap it will
+    reach next (just after the action it runs). ``run`` returns, per stage and gap,
+    the ops that moved there, in the order they moved.
+    """
+
+    def __init__(self, schedule: Schedule, messages: list[_Message]) -> None:
+        stages = schedule.stages
+        self.order = schedule.order
+        self.durations = _durations(schedule)
+        self.out = _outgoing(schedule, messages)
+        self.needs = _incoming(schedule, messages)
+        self.position = [0] * stages
+        self.in_gap = [False] * stages
+        self.done = [False] * stages
+        self.busy_until = [0.0] * stages
+        self.pending: list[dict[int, list[_Message]]] = [defaultdict(list) for _ in range(stages)]
+        self.senders: list[set[int]] = [set() for _ in range(stages)]
+        self.gaps: list[dict[int, list[CommOp]]] = [defaultdict(list) for _ in range(stages)]
+        self.heap = [(0.0, stage, stage) for stage in range(stages)]
+        self.tick = stages
+
+    def run(self) -> list[dict[int, list[CommOp]]]:
+        heap, in_gap = self.heap, self.in_gap
+        while heap:
+            now = heap[0][0]
+            arrived = []
+            while heap and heap[0][0] <= now:
+                stage = heapq.heappop(heap)[2]
+                self._arrive(stage)
+                arrived.append(stage)
+            # Everyone arriving at this instant is in a gap before anyone leaves.
+            touched = set(arrived)
+            for stage in arrived:
+                if self.senders[stage] or self.pending[stage]:
+                    self._deliver(stage, touched)
+            for stage in sorted(touched):
+                if in_gap[stage]:
+                    self._try_leave(stage, now)
+        if not all(self.done):  # cannot happen for a validated schedule
+            stuck = [stage for stage, done in enumerate(self.done) if not done]
+            raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
+        return self.gaps
+
+    def _arrive(self, stage: int) -> None:
+        position = self.position[stage]
+        if position > 0:
+            for message in self.out[stage][position - 1]:
+                self.pending[stage][message.destination].append(message)
+                self.senders[message.destination].add(stage)
+        self.in_gap[stage] = True
+
+    def _deliver(self, stage: int, touched: set[int]) -> None:
+        """Move every message between ``stage`` and peers also in a gap; add them to touched."""
+        for destination, messages in list(self.pending[stage].items()):
+            if self.in_gap[destination]:
+                self._move(stage, destination)
+                touched.add(destination)
+        for source in list(self.senders[stage]):
+            if self.in_gap[source]:
+                self._move(source, stage)
+                touched.add(source)
+
+    def _move(self, source: int, destination: int) -> None:
+        messages = self.pending[source].pop(destination)
+        sends = self.gaps[source][self.position[source]]
+        receives = self.gaps[destination][self.position[destination]]
+        for message in messages:
+            sends.append(message.op("send"))
+            receives.append(message.op("recv"))
+            message.moved = True
+        self.senders[destination].discard(source)
+
+    def _try_leave(self, stage: int, now: float) -> None:
+        position, pending = self.position[stage], self.pending[stage]
+        if position == len(self.order[stage]):
+            if not pending:
+                self.done[stage], self.in_gap[stage] = True, False
+            return
+        for message in self.needs[stage][position]:
+            if not message.moved:
+                return
+        end = now + self.durations[stage][position]
+        for destination, messages in pending.items():
+            # Wait for a receiver that needs this next and arrives before we would be back.
+            if self.busy_until[destination] < end and any(
+                message.consumer_index == self.position[destination] for message in messages
+            ):
+                return
+        self.in_gap[stage] = False
+        self.position[stage] = position + 1
+        self.busy_until[stage] = end
+        heapq.heappush(self.heap, (end, self.tick, stage))
+        self.tick += 1
