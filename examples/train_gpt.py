@@ -1,6 +1,7 @@
 """Train a character-level GPT on the Python standard library's source, one stage per process.
 
-    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 300 --sample 200 --plot docs/gpt_loss.png
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 300 --sample 200 \\
+        --plot docs/gpt_loss.png
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 3 --float64 --compare
 
 The text is every machine's own: a fixed list of standard-library modules, read
