@@ -11,9 +11,10 @@ from torch.utils import _pytree as pytree
 
 def batch_size(batch: Any) -> int:
     """Rows along dim 0 of a tensor, or of the first tensor of a tuple, dict or nested batch."""
-    first = next((leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)), None)
+    leaves = pytree.tree_leaves(batch)
+    first = next((leaf for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
     if first is None or first.dim() == 0:
-        shown = type(first).__name__ if first is not None else type(batch).__name__
+        shown = type(first if first is not None else (leaves or [batch])[0]).__name__
         raise TypeError(
             f"a batch must be a tensor or a tuple/dict of tensors with a batch dimension, "
             f"got {shown}"

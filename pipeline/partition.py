@@ -53,6 +53,8 @@ def chunks_per_stage(schedule: str | Schedule, options: dict[str, Any]) -> int:
     """How many model chunks each stage holds under ``schedule`` (a registry fact)."""
     if isinstance(schedule, Schedule):
         return schedule.chunks // schedule.stages
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
     return schedule_info(schedule).chunks(**options)
 
 

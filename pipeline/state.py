@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
 from pathlib import Path
@@ -42,10 +43,15 @@ def save_state_dict(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
     """``torch.save`` to a temporary file beside ``path``, then rename it into place.
 
     A crash mid-write leaves the previous checkpoint (or nothing), never half a file.
+    A process killed mid-write cannot remove its temporary file, so each save first
+    removes the ones that writers no longer alive left beside ``path``.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    _remove_abandoned(target)
+    handle, temporary = tempfile.mkstemp(
+        dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp"
+    )
     try:
         with os.fdopen(handle, "wb") as stream:
             torch.save(state, stream)
@@ -56,3 +62,20 @@ def save_state_dict(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
         Path(temporary).unlink(missing_ok=True)
         raise
     return target
+
+
+def _remove_abandoned(target: Path) -> None:
+    for leftover in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        writer = leftover.name[len(target.name) + 2 :].split(".", 1)[0]
+        if writer.isdigit() and not _alive(int(writer)):
+            leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -161,7 +161,9 @@ def test_presplit_list_of_the_wrong_length() -> None:
 
 
 def test_loss_fn_returning_a_vector() -> None:
-    pipe = Pipe(mlp(), 2, stages=2, loss_fn=nn.MSELoss(reduction="none"))
+    with pytest.raises(ValueError, match=r"MSELoss\(reduction='none'\) gives a loss per element"):
+        Pipe(mlp(), 2, stages=2, loss_fn=nn.MSELoss(reduction="none"))
+    pipe = Pipe(mlp(), 2, stages=2, loss_fn=lambda out, t: (out - t) ** 2)
     x, target = batch("mlp", 6)
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar, got a tensor of shape "
                                          r"\(3, 3\)"):

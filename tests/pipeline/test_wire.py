@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pipeline.payload import from_wire, to_wire
 from pipeline.wire import (
     HEADER_BYTES,
+    HEADER_SLOTS,
+    MAX_DIMS,
+    MAX_MESSAGE_BYTES,
     MAX_TENSORS,
+    TENSOR,
+    TUPLE,
+    HeaderError,
     BufferPool,
     decode_failure,
     decode_header,
@@ -30,9 +39,9 @@ CASES = [
 def test_pack_then_unpack_gives_the_same_tensors(tensors: tuple[torch.Tensor, ...]) -> None:
     metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
     buffer = torch.full((message_size(metas),), 0xAB, dtype=torch.uint8)
-    pack(encode_header(metas, is_tuple=True), tensors, buffer)
-    is_tuple, decoded = decode_header(buffer[:HEADER_BYTES].view(torch.int64))
-    assert is_tuple and decoded == metas
+    pack(encode_header(metas, TUPLE), tensors, buffer)
+    kind, decoded = decode_header(buffer[:HEADER_BYTES].view(torch.int64))
+    assert kind == TUPLE and decoded == metas
     for original, received in zip(tensors, unpack(buffer, decoded), strict=True):
         assert received.dtype == original.dtype and received.shape == original.shape
         assert torch.equal(received, original)
@@ -46,10 +55,10 @@ def test_message_size_aligns_every_tensor() -> None:
 
 
 def test_too_many_tensors_or_dims_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match=f"at most {MAX_TENSORS} tensors, got 9"):
-        encode_header(((torch.float32, (1,)),) * 9, is_tuple=True)
+    with pytest.raises(ValueError, match=f"at most {MAX_TENSORS} tensors, got {MAX_TENSORS + 1}"):
+        encode_header(((torch.float32, (1,)),) * (MAX_TENSORS + 1), TUPLE)
     with pytest.raises(ValueError, match=r"at most 8 dims .* shape \(1, 1, 1, 1, 1, 1, 1, 1, 1\)"):
-        encode_header(((torch.float32, (1,) * 9),), is_tuple=False)
+        encode_header(((torch.float32, (1,) * 9),), TENSOR)
 
 
 def test_a_failure_header_carries_its_origin_and_reason() -> None:
@@ -74,3 +83,51 @@ def test_the_pool_reuses_a_buffer_once_no_view_of_it_is_alive() -> None:
     again = pool.take(64)  # a freed buffer, never the one `second` still holds
     assert pool.allocations == 3
     assert again.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+
+
+def _header(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values + [0] * (HEADER_SLOTS - len(values)), dtype=torch.int64)
+
+
+@pytest.mark.parametrize(("values", "complaint"), [
+    ([0, 0, 7, 1], r"payload kind must be 0, 1 or 2, got 7"),
+    ([0, 0, 1, 0], r"tensor count must be in 1..16, got 0"),
+    ([0, 0, 1, 10**6], r"tensor count must be in 1..16, got 1000000"),
+    ([0, 0, 0, 1, 99, 1, 4], r"dtype index must be in 0..11, got 99"),
+    ([0, 0, 0, 1, 0, -1], r"0..8 dimensions, got -1"),
+    ([0, 0, 0, 1, 0, 9], r"0..8 dimensions, got 9"),
+    ([0, 0, 0, 1, 0, 2, 5, -3], r"sizes must be in 0..\d+, got shape \(5, -3\)"),
+    ([0, 0, 0, 1, 0, 3, 1 << 20, 1 << 20, 1 << 10], r"announces \d+ bytes, more than the limit"),
+])
+def test_corrupt_headers_are_refused_before_any_allocation(values: list[int], complaint: str) -> None:
+    with pytest.raises(HeaderError, match=complaint):
+        decode_header(_header(values))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=HEADER_SLOTS, max_size=HEADER_SLOTS))
+def test_random_headers_decode_within_the_limit_or_are_refused(values: list[int]) -> None:
+    values[2] = values[2] % 4  # mostly plausible kinds, so the deeper checks are reached
+    values[3] = values[3] % (MAX_TENSORS + 2)
+    try:
+        _, metas = decode_header(torch.tensor(values, dtype=torch.int64))
+    except HeaderError:
+        return
+    assert message_size(metas) <= MAX_MESSAGE_BYTES
+    assert all(len(shape) <= MAX_DIMS and min(shape, default=0) >= 0 for _, shape in metas)
+
+
+@pytest.mark.parametrize("payload", [
+    {"hidden": [torch.randn(2, 3), None], "rows": 2, "mask": torch.ones(2, dtype=torch.bool)},
+    [torch.randn(2), (torch.arange(3), "text")],
+    (torch.randn(1), 5),
+    {"only": None},
+])
+def test_structured_payloads_round_trip(payload: object) -> None:
+    kind, tensors = to_wire(payload)
+    back = from_wire(kind, tuple(tensors))
+    flat_in, spec_in = torch.utils._pytree.tree_flatten(payload)
+    flat_out, spec_out = torch.utils._pytree.tree_flatten(back)
+    assert spec_in == spec_out
+    for a, b in zip(flat_in, flat_out):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
