@@ -12,7 +12,10 @@ from schedules.dualpipe import dualpipe_v
 from schedules.v_shape import v_half, v_min
 from schedules.zb import zero_bubble_capped
 from schedules.simulate import simulate, simulate_measured
+from schedules.costs import Costs, Link, ResolvedCosts
+from schedules.simulate import memory_traces
 from schedules.timeline import Event, Timeline
+from schedules.timeline import MemoryTrace
 from schedules.validate import validate
 from schedules.validate import validate_comm
 from schedules.comm import CommOp, CommPlan, Group, comm_plan
@@ -57,4 +60,9 @@ __all__ = [
     "comm_plan",
     "forward_only",
     "validate_comm",
+    "Costs",
+    "Link",
+    "MemoryTrace",
+    "ResolvedCosts",
+    "memory_traces",
 ]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
-from schedules.action import Op, Schedule
-from schedules.timeline import Event, Timeline
 from schedules._speed import gc_paused
+from schedules.action import Action, Op, Schedule
+from schedules.dependencies import ActionKey
+from schedules.costs import Comm, Costs, ResolvedCosts, checked_value
+from schedules.timeline import Event, MemoryTrace, Timeline
 from schedules.validate import feasible_order
 
 Cost = float | Sequence[float]
@@ -15,144 +16,274 @@ Cost = float | Sequence[float]
 
 def simulate(
     schedule: Schedule,
-    forward: Cost = 1.0,
-    backward: Cost = 2.0,
+    forward: Cost | None = None,
+    backward: Cost | None = None,
     weight: Cost | None = None,
-    comm: float = 0.0,
+    comm: Comm | None = None,
+    *,
+    costs: Costs | None = None,
 ) -> Timeline:
     """Predict when every action runs: as soon as its stage is free and its inputs arrived.
 
-    Costs are for a whole stage (one chunk per stage); a stage that holds v chunks
-    spends 1/v of them on each chunk's action. ``backward`` is the full backward
-    ``B`` when ``weight`` is None, and then a split backward costs half of it for
-    ``I`` and half for ``W``. When ``weight`` is given, ``backward`` is the
-    input-gradient ``I`` alone, ``W`` costs ``weight``, and ``B`` costs both.
+    Either give ``costs``, the full model (per chunk, op, micro-batch and hop, with
+    bytes and recomputation: see ``Costs``), or the keywords, which are shorthand
+    for ``Costs.from_stages(forward, backward, weight, comm)``: whole-stage costs,
+    a stage holding v chunks spending 1/v of them on each chunk's action.
+    ``backward`` is the full backward ``B`` when ``weight`` is None, and then a
+    split backward costs half of it for ``I`` and half for ``W``. When ``weight``
+    is given, ``backward`` is the input-gradient ``I`` alone, ``W`` costs
+    ``weight``, and ``B`` costs both. ``costs`` takes precedence: a keyword given
+    with it would be ignored, so that raises ValueError instead.
 
     Args:
         schedule: the timetable to replay (validated first).
-        forward: forward cost, one number or one per stage.
-        backward: backward cost (see above), one number or one per stage.
+        forward: forward cost, one number or one per stage; None: 1.0.
+        backward: backward cost (see above), one number or one per stage; None: 2.0.
         weight: weight-gradient cost, one number or one per stage, or None.
-        comm: delay added to every dependency that crosses stages.
+        comm: time of every cross-stage transfer (or a matrix or callable, see
+            ``Costs.comm``); None: 0.0.
+        costs: everything at once, instead of the keywords.
 
     Returns:
         The predicted ``Timeline``, with ``makespan_bound`` set to the physical
         lower bound: a stage cannot start before the first micro-batch has crossed
         the stages before it, so the makespan is at least that ramp plus the
-        stage's own work, for the busiest such stage.
+        stage's own work, for the busiest such stage. When the costs give
+        ``activation_bytes``, ``Timeline.memory`` holds each stage's bytes over
+        time (see ``memory_traces``) and ``Timeline.peak_bytes`` their peaks.
 
     Raises:
-        ValueError: a negative cost or a per-stage list of the wrong length.
+        ValueError: a negative, NaN or infinite cost (named), a sequence of the
+            wrong length, or keywords given together with ``costs``.
         ScheduleError: the schedule cannot run.
     """
-    stages = schedule.stages
-    forwards = _per_stage("forward", forward, stages)
-    backwards = _per_stage("backward", backward, stages)
-    weights = None if weight is None else _per_stage("weight", weight, stages)
-    if not comm >= 0:  # also rejects NaN
-        raise ValueError(f"comm must be >= 0, got {comm}")
+    if costs is None:
+        costs = _keyword_costs(schedule.stages, forward, backward, weight, comm)
+    else:
+        given = [name for name, value in (("forward", forward), ("backward", backward),
+                                          ("weight", weight), ("comm", comm)) if value is not None]
+        if given:
+            raise ValueError(
+                f"simulate: expected costs= or the keywords, got both (costs= and "
+                f"{', '.join(given)}=); put them in the Costs instead"
+            )
+    table = costs.resolve(schedule)
     order = feasible_order(schedule)  # validates the schedule, once
-
-    durations = _durations(schedule, forwards, backwards, weights)
-    placement = schedule.placement
-    ends: dict[tuple[Op, int, int], float] = {}
-    stage_free = [0.0] * stages
-    events = []
     with gc_paused():
-        for stage, action, needed in order:
-            start = stage_free[stage]
-            for dependency in needed:
-                arrival = ends[dependency] + (comm if placement[dependency[2]] != stage else 0.0)
-                if arrival > start:
-                    start = arrival
-            end = start + durations[stage][action.op]
-            ends[(action.op, action.microbatch, action.chunk)] = end
-            stage_free[stage] = end
-            events.append(Event(stage, action, start, end))
-
-    busy = [sum(durations[s][a.op] for a in schedule.order[s]) for s in range(stages)]
-    return Timeline(
-        stages=stages,
-        events=tuple(events),
+        per_stage, busy = _replay(schedule, table, order)
+        memory = () if table.activation_bytes is None else _memory_traces(per_stage, table)
+    return Timeline._from_stage_events(
+        per_stage,
         chunks_per_stage=tuple(len(chunks) for chunks in schedule.chunks_of_stage),
         name=f"{schedule.name} (simulated)",
-        makespan_bound=_makespan_bound(schedule, durations, busy, comm),
+        makespan_bound=_makespan_bound(schedule, table, busy),
+        memory=memory,
     )
 
 
-def _per_stage(name: str, cost: Cost, stages: int) -> tuple[float, ...]:
-    if isinstance(cost, numbers.Real):  # numpy scalars too
-        values = (float(cost),) * stages
-    else:
-        values = tuple(float(c) for c in cost)
-        if len(values) != stages:
-            raise ValueError(
-                f"{name} cost: expected one number or {stages} per-stage numbers, "
-                f"got {len(values)}"
-            )
-    negative = [v for v in values if not v >= 0]  # also rejects NaN
-    if negative:
-        raise ValueError(f"{name} cost must be >= 0, got {negative[0]}")
-    return values
+def _keyword_costs(
+    stages: int,
+    forward: Cost | None,
+    backward: Cost | None,
+    weight: Cost | None,
+    comm: Comm | None,
+) -> Costs:
+    """``Costs.from_stages`` with the keywords' own names in the error messages."""
+    checked = {}
+    for name, value in (("forward", 1.0 if forward is None else forward),
+                        ("backward", 2.0 if backward is None else backward),
+                        ("weight", weight)):
+        if value is None:
+            continue
+        checked[name] = number = checked_value(name, value)
+        if isinstance(number, tuple) and len(number) != stages:
+            raise ValueError(f"{name} cost: expected one number or {stages} per-stage numbers, "
+                             f"got {len(number)}")
+    return Costs.from_stages(comm=0.0 if comm is None else comm, **checked)  # type: ignore[arg-type]
 
 
-def _durations(
-    schedule: Schedule,
-    forwards: tuple[float, ...],
-    backwards: tuple[float, ...],
-    weights: tuple[float, ...] | None,
-) -> list[dict[Op, float]]:
-    table = []
-    for stage, chunks in enumerate(schedule.chunks_of_stage):
-        share = 1.0 / len(chunks)
-        f, b = forwards[stage], backwards[stage]
-        if weights is None:
-            i = w = b / 2
+def _replay(
+    schedule: Schedule, table: ResolvedCosts, order: list[tuple[int, Action, tuple[ActionKey, ...]]]
+) -> tuple[list[list[Event]], list[float]]:
+    """Each stage's events, in its order, and each stage's busy time: the hot loop.
+
+    Written for speed (10^6 actions): locals only, no calls per action but for
+    building the Event.
+    """
+    durations = _durations(table)
+    hops = table.hops
+    ends: dict[ActionKey, float] = {}
+    stage_free = [0.0] * schedule.stages
+    busy = [0.0] * schedule.stages
+    per_stage: list[list[Event]] = [[] for _ in range(schedule.stages)]
+    appends = [events.append for events in per_stage]
+    new, event_type = object.__new__, Event
+    for stage, action, needed in order:
+        op, microbatch, chunk = action.op, action.microbatch, action.chunk
+        start = stage_free[stage]
+        row = hops[chunk]  # producer chunk -> hop time per micro-batch, cross-stage only
+        for dependency in needed:
+            arrival = ends[dependency]
+            if row:
+                hop = row.get(dependency[2])
+                if hop is not None:
+                    arrival += hop[microbatch]
+            if arrival > start:
+                start = arrival
+        duration = durations[chunk][op][microbatch]
+        end = start + duration
+        ends[op, microbatch, chunk] = end
+        stage_free[stage] = end
+        busy[stage] += duration
+        # Event(stage, action, start, end) without the frozen __init__'s setattr calls.
+        event = new(event_type)
+        fields = event.__dict__
+        fields["stage"], fields["action"], fields["start"], fields["end"] = (
+            stage, action, start, end)
+        appends[stage](event)
+    return per_stage, busy
+
+
+def _durations(table: ResolvedCosts) -> list[dict[Op, Sequence[float]]]:
+    """``durations[chunk][op][microbatch]``, recomputation and scale included."""
+    micro = len(table.scale)
+    uniform = all(s == 1.0 for s in table.scale) and not any(table.recomputed)
+    result = []
+    for chunk, times in enumerate(table.compute):
+        if uniform:
+            result.append({op: (time,) * micro for op, time in times.items()})
         else:
-            i, w = b, weights[stage]
-        table.append({Op.F: f * share, Op.B: (i + w) * share, Op.I: i * share, Op.W: w * share})
-    return table
+            result.append({op: tuple(table.duration(op, m, chunk) for m in range(micro))
+                           for op in times})
+    return result
 
 
-def _makespan_bound(
-    schedule: Schedule, durations: list[dict[Op, float]], busy: list[float], comm: float
-) -> float:
+def memory_traces(timeline: Timeline, table: ResolvedCosts) -> tuple[MemoryTrace, ...]:
+    """Each stage's bytes over time for any timeline, simulated or measured.
+
+    A stage holds its chunks' ``fixed_bytes`` throughout. A micro-batch's forward
+    on a chunk adds, from its start, the chunk's ``activation_bytes``, or only its
+    ``input_bytes`` when that micro-batch is recomputed: then its backward ``B``
+    or ``I`` adds the ``activation_bytes`` back from its start. All of it is
+    released at the end of the chunk's last backward action for that micro-batch
+    (``B``, or ``W`` when split). Bytes scale with the micro-batch; changes at one
+    instant merge into one step.
+
+    Args:
+        timeline: the events to read.
+        table: ``Costs.resolve(schedule)`` for the schedule the timeline ran.
+
+    Returns:
+        One ``MemoryTrace`` per stage, starting at the timeline's start.
+
+    Raises:
+        ValueError: ``table`` has no ``activation_bytes``.
+    """
+    if table.activation_bytes is None:
+        raise ValueError("memory_traces: expected costs with activation_bytes, got None")
+    per_stage = [timeline.stage_events(stage) for stage in range(timeline.stages)]
+    return _memory_traces(per_stage, table, timeline.start)
+
+
+def _memory_traces(
+    per_stage: Sequence[Sequence[Event]], table: ResolvedCosts, origin: float = 0.0
+) -> tuple[MemoryTrace, ...]:
+    saved, kept = table.activation_bytes or (), table.input_bytes
+    traces = []
+    for stage, events in enumerate(per_stage):
+        split = {(e.action.microbatch, e.action.chunk) for e in events if e.action.op is Op.W}
+        held = table.fixed_bytes[stage]
+        times, values = [origin], [held]
+        for event in events:
+            op, m, c = event.action.op, event.action.microbatch, event.action.chunk
+            scale, recomputed = table.scale[m], table.recomputed[m]
+            if op is Op.F:
+                held += (kept[c] if recomputed else saved[c]) * scale
+                _step(times, values, event.start, held)
+                continue
+            if recomputed and op is not Op.W:  # B or I re-runs the forward first
+                held += saved[c] * scale
+                _step(times, values, event.start, held)
+            if op is Op.W or (op is Op.B and (m, c) not in split):
+                held -= (saved[c] + (kept[c] if recomputed else 0.0)) * scale
+                _step(times, values, event.end, held)
+        traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))
+    return tuple(traces)
+
+
+def _step(times: list[float], values: list[float], at: float, value: float) -> None:
+    if times[-1] == at:
+        values[-1] = value
+    else:
+        times.append(at)
+        values.append(value)
+
+
+def _makespan_bound(schedule: Schedule, table: ResolvedCosts, busy: list[float]) -> float:
     # Micro-batch 0 reaches chunk c after the forwards of chunks 0..c-1 and their hops.
     arrival = [0.0] * schedule.chunks
     for chunk in range(1, schedule.chunks):
-        previous = schedule.placement[chunk - 1]
-        hop = comm if previous != schedule.placement[chunk] else 0.0
-        arrival[chunk] = arrival[chunk - 1] + durations[previous][Op.F] + hop
+        arrival[chunk] = (arrival[chunk - 1] + table.duration(Op.F, 0, chunk - 1)
+                          + table.hop(chunk - 1, chunk, 0))
     return max(
         min(arrival[c] for c in schedule.chunks_of_stage[stage]) + busy[stage]
         for stage in range(schedule.stages)
     )
 
 
-def simulate_measured(schedule: Schedule, measured: Timeline, comm: float = 0.0) -> Timeline:
-    """Predict ``schedule`` with each stage's mean measured duration per op.
+def simulate_measured(schedule: Schedule, measured: Timeline, comm: Comm = 0.0) -> Timeline:
+    """Predict ``schedule`` with each chunk's mean measured duration per op.
 
     The figure to set beside a measured timeline: same schedule, same per-action
     costs, no communication (unless ``comm``) and no variation around the means.
+    An op a chunk never ran is derived as ``Costs`` says (``B = I + W``, ...);
+    a chunk with no backward at all gets 0.
 
     Args:
         schedule: the schedule that was run.
         measured: its measured Timeline (``Pipe.timeline``).
-        comm: delay to add to every cross-stage dependency, in the timeline's unit.
+        comm: hop time to add to every cross-stage dependency (see ``Costs.comm``),
+            in the timeline's unit.
+
+    Returns:
+        The predicted Timeline.
+
+    Raises:
+        ValueError: ``measured`` has another stage count than ``schedule``, or
+            events of a chunk that ``schedule`` does not have.
     """
-    costs: dict[Op, list[float]] = {op: [] for op in Op}
-    for stage in range(schedule.stages):
-        events = measured.stage_events(stage)
-        chunks_here = len(schedule.chunks_of_stage[stage])
-        for op in Op:
-            durations = [event.duration for event in events if event.action.op is op]
-            mean = sum(durations) / len(durations) if durations else 0.0
-            costs[op].append(mean * chunks_here)  # simulate takes whole-stage costs
-    split = any(costs[Op.I])
-    return simulate(
-        schedule,
-        forward=costs[Op.F],
-        backward=costs[Op.I] if split else costs[Op.B],
-        weight=costs[Op.W] if split else None,
-        comm=comm,
-    )
+    if measured.stages != schedule.stages:
+        raise ValueError(
+            f"simulate_measured: expected a timeline of {schedule.stages} stages "
+            f"(the schedule's), got {measured.stages}"
+        )
+    totals: dict[tuple[int, Op], list[float]] = {}
+    for event in measured.events:
+        chunk = event.action.chunk
+        if not 0 <= chunk < schedule.chunks:
+            raise ValueError(
+                f"simulate_measured: expected chunks 0..{schedule.chunks - 1} (the schedule's), "
+                f"got an event of chunk {chunk}: {event.action}"
+            )
+        total = totals.setdefault((chunk, event.action.op), [0.0, 0.0])
+        total[0] += event.end - event.start
+        total[1] += 1
+
+    means = [_op_means({op: totals.get((chunk, op)) for op in Op})
+             for chunk in range(schedule.chunks)]
+    costs = Costs(**{name: tuple(chunk[index] for chunk in means)  # type: ignore[arg-type]
+                     for index, name in enumerate(("forward", "backward", "input_grad",
+                                                   "weight_grad"))}, comm=comm)
+    return simulate(schedule, costs=costs)
+
+
+def _op_means(totals: dict[Op, list[float] | None]) -> tuple[float, float, float, float]:
+    """One chunk's mean F, B, I, W, a missing op derived as ``Costs`` does (0 if underived)."""
+    mean = {op: None if total is None else total[0] / total[1] for op, total in totals.items()}
+    i, w = mean[Op.I], mean[Op.W]
+    b = mean[Op.B] if mean[Op.B] is not None else (i or 0.0) + (w or 0.0)
+    if i is None:
+        i = max(b - w, 0.0) if w is not None else b / 2
+    if w is None:
+        w = max(b - i, 0.0)
+    return (mean[Op.F] or 0.0, b, i, w)
