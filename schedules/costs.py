@@ -107,9 +107,11 @@ class Costs:
             ``"except_last"``: all but the last micro-batch) or one bool per
             micro-batch.
         activation_bytes: bytes a chunk's forward saves for its backward, per
-            micro-batch; None: no memory prediction.
+            micro-batch, its input included (as ``saved_tensors_hooks`` counts
+            them); None: no memory prediction.
         input_bytes: bytes of a chunk's input per micro-batch: what a recomputed
-            micro-batch keeps until its backward, and the payload of its hops.
+            micro-batch keeps until its backward, and the payload of its hops
+            (the activation into the chunk, the gradient back out of it).
         fixed_bytes: bytes a chunk holds throughout (parameters, gradients,
             optimizer state).
     """

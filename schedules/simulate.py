@@ -162,12 +162,13 @@ def memory_traces(timeline: Timeline, table: ResolvedCosts) -> tuple[MemoryTrace
     """Each stage's bytes over time for any timeline, simulated or measured.
 
     A stage holds its chunks' ``fixed_bytes`` throughout. A micro-batch's forward
-    on a chunk adds, from its start, the chunk's ``activation_bytes``, or only its
-    ``input_bytes`` when that micro-batch is recomputed: then its backward ``B``
-    or ``I`` adds the ``activation_bytes`` back from its start. All of it is
-    released at the end of the chunk's last backward action for that micro-batch
-    (``B``, or ``W`` when split). Bytes scale with the micro-batch; changes at one
-    instant merge into one step.
+    on a chunk adds, from its start, the chunk's ``activation_bytes`` (everything
+    the forward saves, its input included), or only its ``input_bytes`` when that
+    micro-batch is recomputed: then from the start of its backward ``B`` or ``I``
+    it holds ``max(activation_bytes, input_bytes)``. All of it is released at the
+    end of the chunk's last backward action for that micro-batch (``B``, or ``W``
+    when split). Bytes scale with the micro-batch; changes at one instant merge
+    into one step.
 
     Args:
         timeline: the events to read.
@@ -197,15 +198,17 @@ def _memory_traces(
         for event in events:
             op, m, c = event.action.op, event.action.microbatch, event.action.chunk
             scale, recomputed = table.scale[m], table.recomputed[m]
+            # A recomputed micro-batch keeps its input, then holds what the forward saves.
+            whole = max(saved[c], kept[c]) if recomputed else saved[c]
             if op is Op.F:
-                held += (kept[c] if recomputed else saved[c]) * scale
+                held += (kept[c] if recomputed else whole) * scale
                 _step(times, values, event.start, held)
                 continue
             if recomputed and op is not Op.W:  # B or I re-runs the forward first
-                held += saved[c] * scale
+                held += (whole - kept[c]) * scale
                 _step(times, values, event.start, held)
             if op is Op.W or (op is Op.B and (m, c) not in split):
-                held -= (saved[c] + (kept[c] if recomputed else 0.0)) * scale
+                held -= whole * scale
                 _step(times, values, event.end, held)
         traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))
     return tuple(traces)

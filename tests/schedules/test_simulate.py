@@ -5,8 +5,13 @@ import random
 
 import networkx as nx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from schedules import Action, Op, Schedule, ScheduleError, gpipe, one_f_one_b, simulate
+from schedules import (
+    Action, Costs, Event, Link, MemoryTrace, Op, Schedule, ScheduleError, Timeline, get_schedule,
+    gpipe, memory_traces, one_f_one_b, simulate, simulate_measured,
+)
 
 A = Action.parse
 
@@ -203,11 +208,183 @@ def test_incomplete_schedule_raises_schedule_error():
 
 
 def test_simulate_measured_reproduces_a_timeline_from_its_own_costs() -> None:
-    from schedules import get_schedule, simulate_measured
-
     for name in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v"):
         schedule = get_schedule(name, 4, 8)
         costs = simulate(schedule, forward=[1, 2, 1, 1], backward=[2, 3, 2, 2], weight=[1, 1, 2, 1])
         again = simulate_measured(schedule, costs)
         assert again.makespan == pytest.approx(costs.makespan, rel=1e-12), name
         assert again.bubble_fraction == pytest.approx(costs.bubble_fraction, rel=1e-12), name
+
+
+# --- Costs: every kind of cost changes the makespan as computed by hand ----------------
+# 1F1B, P=2, M=2: stage 0 runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1 (of chunk 1).
+
+def _1f1b_2x2(**costs):
+    return simulate(one_f_one_b(2, 2), costs=Costs(**costs))
+
+
+def test_hand_computed_1f1b_with_comm():
+    # F0 [0,1] F1 [1,2] | F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]
+    # B0 waits for 4.5 + 0.5 -> [5,7]; B1 for 7.5 + 0.5 -> [8,10].
+    timeline = _1f1b_2x2(forward=1, backward=2, comm=0.5)
+    assert timeline.makespan == 10.0
+    assert [e.start for e in timeline.stage_events(0)] == [0.0, 1.0, 5.0, 8.0]
+    assert simulate(one_f_one_b(2, 2), forward=1, backward=2, comm=0.5).makespan == 10.0
+
+
+def test_hand_computed_per_hop_matrix_and_link():
+    # 0.5 down, 1.5 back: B0 waits for 4.5 + 1.5 -> [6,8], B1 for 7.5 + 1.5 -> [9,11].
+    assert _1f1b_2x2(comm=[[0, 0.5], [1.5, 0]]).makespan == 11.0
+    # latency 0.25 + 2 bytes at 4 bytes per unit = 0.75 a hop:
+    # F0 [1.75,2.75] B0 [2.75,4.75] F1 [4.75,5.75] B1 [5.75,7.75] on stage 1,
+    # then B0 [5.5,7.5] and B1 [8.5,10.5] on stage 0.
+    timeline = _1f1b_2x2(comm=Link(latency=0.25, bandwidth=4), input_bytes=(0, 2))
+    assert timeline.makespan == 10.5
+
+
+def test_hand_computed_per_chunk_costs():
+    # F0 [0,1] F1 [1,2] | F0 [1,3] B0 [3,4] F1 [4,6] B1 [6,7] | B0 [4,7] B1 [7,10]
+    assert _1f1b_2x2(forward=(1, 2), backward=(3, 1)).makespan == 10.0
+
+
+def test_hand_computed_per_op_costs_of_a_split_backward():
+    order = [[A("F0"), A("F1"), A("I0"), A("W0"), A("I1"), A("W1")],
+             [A("F0@c1"), A("I0@c1"), A("F1@c1"), A("I1@c1"), A("W0@c1"), A("W1@c1")]]
+    timeline = simulate(Schedule(2, 2, order),
+                        costs=Costs(forward=1, input_grad=(2, 1), weight_grad=(0.5, 3)))
+    # stage 1: F0 [1,2] I0 [2,3] F1 [3,4] I1 [4,5] W0 [5,8] W1 [8,11]
+    # stage 0: F0 [0,1] F1 [1,2] I0 [3,5] W0 [5,5.5] I1 [5.5,7.5] W1 [7.5,8]
+    assert [(e.start, e.end) for e in timeline.stage_events(0)] == [
+        (0, 1), (1, 2), (3, 5), (5, 5.5), (5.5, 7.5), (7.5, 8)]
+    assert timeline.makespan == 11.0
+
+
+def test_hand_computed_per_microbatch_scale():
+    # micro-batch 1 twice as large: F1 [1,3] | F0 [1,2] B0 [2,4] F1 [4,6] B1 [6,10]
+    # | B0 [4,6] B1 [10,14]
+    assert _1f1b_2x2(forward=1, backward=2, microbatch_scale=(1, 2)).makespan == 14.0
+
+
+def test_recomputation_adds_a_forward_to_each_recomputed_backward():
+    assert _1f1b_2x2(forward=1, backward=2).makespan == 9.0
+    # B costs 3: B0 [2,5] F1 [5,6] B1 [6,9] on stage 1; B0 [5,8] B1 [9,12] on stage 0.
+    assert _1f1b_2x2(forward=1, backward=2, recompute="always").makespan == 12.0
+    # The last micro-batch is not recomputed: B1 [6,8], then B1 [8,10] on stage 0.
+    assert _1f1b_2x2(forward=1, backward=2, recompute="except_last").makespan == 10.0
+    assert _1f1b_2x2(forward=1, backward=2, recompute=[False, True]).makespan == 11.0
+
+
+def test_costs_from_stages_equal_the_keywords():
+    for name in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v"):
+        schedule = get_schedule(name, 4, 8)
+        keywords = dict(forward=[1, 2, 1, 1], backward=[2, 3, 2, 2], weight=[1, 1, 2, 1], comm=0.3)
+        ours = simulate(schedule, costs=Costs.from_stages(**keywords))
+        theirs = simulate(schedule, **keywords)
+        assert ours.events == theirs.events, name
+        assert ours.makespan_bound == theirs.makespan_bound, name
+
+
+def test_costs_and_keywords_together_are_rejected():
+    with pytest.raises(ValueError, match=r"expected costs= or the keywords, got both .*comm="):
+        simulate(one_f_one_b(2, 2), comm=0.5, costs=Costs())
+
+
+@settings(max_examples=40, deadline=None)
+@given(stages=st.integers(1, 8), microbatches=st.integers(1, 24),
+       forward=st.sampled_from([0.5, 1.0, 3.0]))
+def test_closed_form_bubble_with_costs(stages, microbatches, forward):
+    expected = (stages - 1) / (microbatches + stages - 1)
+    for generator in (gpipe, one_f_one_b):
+        costs = Costs(forward=forward, backward=2 * forward)
+        timeline = simulate(generator(stages, microbatches), costs=costs)
+        assert math.isclose(timeline.bubble_fraction, expected, rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(timeline.makespan, 3 * forward * (microbatches + stages - 1))
+
+
+# --- predicted memory ---------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(stages=st.integers(1, 6), microbatches=st.integers(1, 12))
+def test_peak_bytes_gpipe_holds_every_microbatch_and_1f1b_at_most_p_minus_s(stages, microbatches):
+    saved = [1000.0 * (s + 1) for s in range(stages)]
+    fixed = [7.0 + s for s in range(stages)]
+    costs = Costs(activation_bytes=saved, fixed_bytes=fixed, comm=0.25)
+    gpipe_peaks = simulate(gpipe(stages, microbatches), costs=costs).peak_bytes
+    assert gpipe_peaks == tuple(fixed[s] + microbatches * saved[s] for s in range(stages))
+    ofob = simulate(one_f_one_b(stages, microbatches), costs=costs).peak_bytes
+    assert ofob == tuple(fixed[s] + min(stages - s, microbatches) * saved[s]
+                         for s in range(stages))
+
+
+def test_memory_trace_of_1f1b_by_hand():
+    timeline = _1f1b_2x2(forward=1, backward=2, activation_bytes=10, fixed_bytes=(100, 200))
+    # Stage 0: F0 at 0, F1 at 1, B0 ends at 6, B1 at 9. Stage 1: F0 at 1, B0 ends at 4
+    # when F1 starts (one step), B1 ends at 7.
+    assert timeline.memory == (
+        MemoryTrace(times=(0.0, 1.0, 6.0, 9.0), held=(110.0, 120.0, 110.0, 100.0)),
+        MemoryTrace(times=(0.0, 1.0, 4.0, 7.0), held=(200.0, 210.0, 210.0, 200.0)),
+    )
+    assert timeline.peak_bytes == (120.0, 210.0)
+    assert timeline.memory[0].at(0.5) == 110.0 and timeline.memory[0].at(6.0) == 110.0
+
+
+def test_recomputation_lowers_peak_bytes_and_raises_makespan():
+    plain = _1f1b_2x2(forward=1, backward=2, activation_bytes=10, input_bytes=1,
+                      fixed_bytes=(100, 200))
+    again = _1f1b_2x2(forward=1, backward=2, activation_bytes=10, input_bytes=1,
+                      fixed_bytes=(100, 200), recompute="always")
+    # Stage 0 keeps two inputs (102), then holds one micro-batch's activations again
+    # during each backward: B0 [5,8] -> 111, B1 [9,12] -> 110.
+    assert again.memory[0].times == (0.0, 1.0, 5.0, 8.0, 9.0, 12.0)
+    assert again.memory[0].held == (101.0, 102.0, 111.0, 101.0, 110.0, 100.0)
+    assert again.peak_bytes == (111.0, 210.0)
+    assert plain.peak_bytes == (120.0, 210.0)
+    assert (plain.makespan, again.makespan) == (9.0, 12.0)
+
+
+def test_memory_scales_with_the_microbatch_and_is_absent_without_bytes():
+    timeline = _1f1b_2x2(activation_bytes=10, microbatch_scale=(1, 0.5))
+    assert timeline.peak_bytes == (15.0, 10.0)
+    assert _1f1b_2x2().memory == () and _1f1b_2x2().peak_bytes is None
+
+
+def test_memory_of_a_split_backward_is_released_by_the_weight_gradient():
+    order = [[A("F0"), A("F1"), A("I0"), A("F2"), A("W0"), A("I1"), A("W1"), A("B2")]]
+    schedule = Schedule(1, 3, order)
+    costs = Costs(activation_bytes=4)
+    timeline = simulate(schedule, costs=costs)
+    assert timeline.peak_bytes == (12.0,)  # three held at once, as peak_activations says
+    assert timeline.peak_activations == (3,)
+    # The same model reads a measured timeline (here: the simulated one, shifted).
+    shifted = Timeline(1, [Event(e.stage, e.action, e.start + 5, e.end + 5) for e in timeline.events])
+    traces = memory_traces(shifted, costs.resolve(schedule))
+    assert traces[0].held == timeline.memory[0].held
+    assert traces[0].times == tuple(t + 5 for t in timeline.memory[0].times)
+
+
+# --- hardening ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["forward", "backward", "weight", "comm"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf])
+def test_infinite_cost_is_rejected_by_name(name, bad):
+    with pytest.raises(ValueError, match=rf"{name}.* must be finite, got -?inf"):
+        simulate(one_f_one_b(3, 4), **{name: bad})
+
+
+def test_infinite_item_of_a_per_stage_cost_is_rejected():
+    with pytest.raises(ValueError, match=r"backward cost must be finite, got inf \(item 2\)"):
+        simulate(one_f_one_b(3, 4), backward=[1, 2, math.inf])
+
+
+def test_simulate_measured_with_another_stage_count():
+    measured = simulate(one_f_one_b(2, 4))
+    with pytest.raises(ValueError, match=r"expected a timeline of 3 stages .*got 2"):
+        simulate_measured(one_f_one_b(3, 4), measured)
+
+
+def test_simulate_measured_uses_each_chunk_means():
+    schedule = get_schedule("interleaved-1f1b", 2, 4, chunks_per_stage=2)
+    costs = Costs(forward=(1, 2, 3, 4), backward=(2, 3, 5, 7), comm=0.5)
+    measured = simulate(schedule, costs=costs)
+    again = simulate_measured(schedule, measured, comm=0.5)
+    assert again.events == measured.events

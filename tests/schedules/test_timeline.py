@@ -1,12 +1,16 @@
 """Timeline: idle, bubble, makespan, peak activations and the Chrome trace, on known numbers."""
 
 import json
+import math
 import random
 from pathlib import Path
 
 import pytest
 
-from schedules import Action, Event, Timeline, one_f_one_b, simulate
+import schedules.timeline as timeline_module
+from schedules import (
+    Action, Event, MemoryTrace, Timeline, one_f_one_b, simulate, zero_bubble_v,
+)
 
 A = Action.parse
 
@@ -114,3 +118,67 @@ def test_chrome_trace_of_a_simulated_schedule(tmp_path):
     assert {e["tid"] for e in slices} == {0, 1, 2, 3}
     assert {e["tid"] for e in trace if e["ph"] == "M"} == {0, 1, 2, 3}
     assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(timeline.makespan * 1e6)
+
+
+# --- Chrome trace: valid JSON or a clear error, never a file half written ---------------
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_chrome_trace_rejects_non_finite_times(tmp_path, bad):
+    rows = [(0, "F0", 0, 1), (0, "B0", 1, 3)]
+    timeline = Timeline(1, [Event(0, A("F0"), 0, 1), Event(0, A("B0"), 1, bad)])
+    with pytest.raises(ValueError, match=r"expected finite event times, got B0 on stage 0"):
+        timeline.to_chrome_trace(tmp_path / "trace.json")
+    assert list(tmp_path.iterdir()) == []
+    assert _timeline(rows).to_chrome_trace(tmp_path / "ok.json").exists()
+
+
+def test_chrome_trace_to_a_directory_leaves_no_temporary(tmp_path):
+    target = tmp_path / "trace.json"
+    target.mkdir()
+    with pytest.raises(OSError):
+        _timeline(HAND_BUILT).to_chrome_trace(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
+    assert target.is_dir()
+
+
+def test_chrome_trace_failing_midway_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "trace.json"
+    target.write_text('{"old": true}')
+
+    def dump_half(document, handle, **kwargs):
+        handle.write('{"traceEvents": [')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(timeline_module.json, "dump", dump_half)
+    with pytest.raises(OSError, match="disk full"):
+        _timeline(HAND_BUILT).to_chrome_trace(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
+    assert json.loads(target.read_text()) == {"old": True}
+
+
+# --- memory traces and the per-stage grouping -----------------------------------------------
+
+def test_memory_trace_steps_and_peak():
+    trace = MemoryTrace(times=(0.0, 1.0, 4.0), held=(5.0, 9.0, 2.0))
+    assert trace.peak == 9.0
+    assert [trace.at(t) for t in (-1, 0, 0.5, 1, 3.9, 4, 100)] == [5, 5, 5, 9, 9, 2, 2]
+    with pytest.raises(ValueError, match=r"expected as many held values as times"):
+        MemoryTrace(times=(0.0, 1.0), held=(1.0,))
+
+
+def test_timeline_memory_is_one_trace_per_stage():
+    trace = MemoryTrace(times=(0.0,), held=(3.0,))
+    assert _timeline(HAND_BUILT, memory=[trace, trace]).peak_bytes == (3.0, 3.0)
+    assert _timeline(HAND_BUILT).peak_bytes is None
+    with pytest.raises(ValueError, match=r"expected one trace per stage \(2\), got 1"):
+        _timeline(HAND_BUILT, memory=[trace])
+
+
+def test_simulated_stage_events_equal_sorting_the_events():
+    for schedule in (one_f_one_b(4, 8), zero_bubble_v(3, 5)):
+        for costs in ({}, {"forward": 0, "backward": 0}):
+            simulated = simulate(schedule, **costs)
+            plain = Timeline(simulated.stages, simulated.events, simulated.chunks_per_stage)
+            for stage in range(simulated.stages):
+                assert simulated.stage_events(stage) == plain.stage_events(stage)
+            assert simulated.peak_activations == plain.peak_activations
