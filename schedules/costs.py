@@ -32,7 +32,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union, cast
 
 from schedules.action import Op, Schedule
 
@@ -155,7 +155,7 @@ class Costs:
         backward: Value = 2.0,
         weight: Value | None = None,
         comm: Comm = 0.0,
-        **more: object,
+        **more: Any,
     ) -> Costs:
         """The costs ``simulate``'s keywords describe: whole-stage times.
 
@@ -176,9 +176,9 @@ class Costs:
         7.0
         """
         if weight is None:
-            return cls(forward=forward, backward=backward, comm=comm, per="stage", **more)  # type: ignore[arg-type]
+            return cls(forward=forward, backward=backward, comm=comm, per="stage", **more)
         return cls(forward=forward, input_grad=backward, weight_grad=weight, comm=comm,
-                   per="stage", **more)  # type: ignore[arg-type]
+                   per="stage", **more)
 
     def resolve(self, schedule: Schedule) -> ResolvedCosts:
         """Check these costs against ``schedule`` and spell them out per chunk and micro-batch.
@@ -276,7 +276,7 @@ def _spreader(costs: Costs, schedule: Schedule) -> Callable[[str, object], tuple
 
     def spread(name: str, value: object) -> tuple[float, ...]:
         # Costs.__post_init__ made every value a float or a tuple of floats.
-        values: tuple[float, ...] = (value,) * count if isinstance(value, float) else value  # type: ignore[assignment]
+        values = (value,) * count if isinstance(value, float) else cast(tuple[float, ...], value)
         if len(values) != count:
             raise ValueError(f"{name} cost: expected one number or {count} per-{unit} numbers, "
                              f"got {len(values)}")

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 from schedules._speed import gc_paused
 from schedules.action import Action, Op, Schedule
-from schedules.dependencies import ActionKey
 from schedules.costs import Comm, Costs, ResolvedCosts, checked_value
+from schedules.dependencies import ActionKey
 from schedules.timeline import Event, MemoryTrace, Timeline
 from schedules.validate import feasible_order
 
@@ -60,8 +60,8 @@ def simulate(
     if costs is None:
         costs = _keyword_costs(schedule.stages, forward, backward, weight, comm)
     else:
-        given = [name for name, value in (("forward", forward), ("backward", backward),
-                                          ("weight", weight), ("comm", comm)) if value is not None]
+        keywords = {"forward": forward, "backward": backward, "weight": weight, "comm": comm}
+        given = [name for name, value in keywords.items() if value is not None]
         if given:
             raise ValueError(
                 f"simulate: expected costs= or the keywords, got both (costs= and "
@@ -99,11 +99,14 @@ def _keyword_costs(
         if isinstance(number, tuple) and len(number) != stages:
             raise ValueError(f"{name} cost: expected one number or {stages} per-stage numbers, "
                              f"got {len(number)}")
-    return Costs.from_stages(comm=0.0 if comm is None else comm, **checked)  # type: ignore[arg-type]
+    hops = 0.0 if comm is None else comm
+    return Costs.from_stages(comm=hops, **checked)  # type: ignore[arg-type]
 
 
 def _replay(
-    schedule: Schedule, table: ResolvedCosts, order: list[tuple[int, Action, tuple[ActionKey, ...]]]
+    schedule: Schedule,
+    table: ResolvedCosts,
+    order: list[tuple[int, Action, tuple[ActionKey, ...]]],
 ) -> tuple[list[list[Event]], list[float]]:
     """Each stage's events, in its order, and each stage's busy time: the hot loop.
 
@@ -146,15 +149,19 @@ def _replay(
 
 def _durations(table: ResolvedCosts) -> list[dict[Op, Sequence[float]]]:
     """``durations[chunk][op][microbatch]``, recomputation and scale included."""
-    micro = len(table.scale)
-    uniform = all(s == 1.0 for s in table.scale) and not any(table.recomputed)
-    result = []
-    for chunk, times in enumerate(table.compute):
-        if uniform:
-            result.append({op: (time,) * micro for op, time in times.items()})
-        else:
-            result.append({op: tuple(table.duration(op, m, chunk) for m in range(micro))
-                           for op in times})
+    micro, scale, recomputed = len(table.scale), table.scale, table.recomputed
+    uniform = all(factor == 1.0 for factor in scale) and not any(recomputed)
+    result: list[dict[Op, Sequence[float]]] = []
+    for times in table.compute:
+        per_op: dict[Op, Sequence[float]] = {}
+        for op, time in times.items():
+            if uniform:
+                per_op[op] = (time,) * micro
+                continue
+            again = times[Op.F] if op is Op.B or op is Op.I else 0.0  # the recomputed forward
+            per_op[op] = tuple((time + again * redo) * factor
+                               for factor, redo in zip(scale, recomputed))
+        result.append(per_op)
     return result
 
 
@@ -182,6 +189,9 @@ def memory_traces(timeline: Timeline, table: ResolvedCosts) -> tuple[MemoryTrace
     """
     if table.activation_bytes is None:
         raise ValueError("memory_traces: expected costs with activation_bytes, got None")
+    if len(table.fixed_bytes) != timeline.stages:
+        raise ValueError(f"memory_traces: expected costs resolved for {timeline.stages} stages "
+                         f"(the timeline's), got {len(table.fixed_bytes)}")
     per_stage = [timeline.stage_events(stage) for stage in range(timeline.stages)]
     return _memory_traces(per_stage, table, timeline.start)
 
@@ -192,7 +202,6 @@ def _memory_traces(
     saved, kept = table.activation_bytes or (), table.input_bytes
     traces = []
     for stage, events in enumerate(per_stage):
-        split = {(e.action.microbatch, e.action.chunk) for e in events if e.action.op is Op.W}
         held = table.fixed_bytes[stage]
         times, values = [origin], [held]
         for event in events:
@@ -207,7 +216,7 @@ def _memory_traces(
             if recomputed and op is not Op.W:  # B or I re-runs the forward first
                 held += (whole - kept[c]) * scale
                 _step(times, values, event.start, held)
-            if op is Op.W or (op is Op.B and (m, c) not in split):
+            if op is Op.W or op is Op.B:  # a split backward has no B: W is the last
                 held -= whole * scale
                 _step(times, values, event.end, held)
         traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))

@@ -123,7 +123,8 @@ def test_bad_hops_are_named(comm, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"forward": (1, 2, 3)}, r"forward cost: expected one number or 2 per-chunk numbers, got 3"),
+        ({"forward": (1, 2, 3)},
+         r"forward cost: expected one number or 2 per-chunk numbers, got 3"),
         ({"activation_bytes": (1,), "per": "stage"},
          r"activation_bytes cost: expected one number or 2 per-stage numbers, got 1"),
         ({"microbatch_scale": (1, 1, 1)}, r"microbatch_scale: expected 2 numbers .*got 3"),

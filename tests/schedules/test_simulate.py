@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedules import (
-    Action, Costs, Event, Link, MemoryTrace, Op, Schedule, ScheduleError, Timeline, get_schedule,
-    gpipe, memory_traces, one_f_one_b, simulate, simulate_measured,
+    Action, Costs, Event, Link, MemoryTrace, Op, Schedule, ScheduleError, Timeline, dependencies,
+    get_schedule, gpipe, memory_traces, one_f_one_b, simulate, simulate_measured,
 )
 
 A = Action.parse
@@ -356,7 +356,8 @@ def test_memory_of_a_split_backward_is_released_by_the_weight_gradient():
     assert timeline.peak_bytes == (12.0,)  # three held at once, as peak_activations says
     assert timeline.peak_activations == (3,)
     # The same model reads a measured timeline (here: the simulated one, shifted).
-    shifted = Timeline(1, [Event(e.stage, e.action, e.start + 5, e.end + 5) for e in timeline.events])
+    shifted = Timeline(1, [Event(e.stage, e.action, e.start + 5, e.end + 5)
+                           for e in timeline.events])
     traces = memory_traces(shifted, costs.resolve(schedule))
     assert traces[0].held == timeline.memory[0].held
     assert traces[0].times == tuple(t + 5 for t in timeline.memory[0].times)
@@ -388,3 +389,41 @@ def test_simulate_measured_uses_each_chunk_means():
     measured = simulate(schedule, costs=costs)
     again = simulate_measured(schedule, measured, comm=0.5)
     assert again.events == measured.events
+
+
+@pytest.mark.parametrize("name", ["zb-v", "interleaved-1f1b", "zb-h1", "1f1b"])
+def test_every_event_starts_when_its_stage_and_inputs_are_ready(name):
+    rng = random.Random(name)
+    schedule = get_schedule(name, 3, 5)
+    chunks = schedule.chunks
+    costs = Costs(
+        forward=[rng.uniform(0.5, 2) for _ in range(chunks)],
+        input_grad=[rng.uniform(0.5, 2) for _ in range(chunks)],
+        weight_grad=[rng.uniform(0.1, 1) for _ in range(chunks)],
+        microbatch_scale=[rng.uniform(0.5, 2) for _ in range(5)],
+        recompute="except_last",
+        comm=Link(latency=0.1, bandwidth=50.0),
+        input_bytes=[rng.uniform(0, 20) for _ in range(chunks)],
+    )
+    table = costs.resolve(schedule)
+    timeline = simulate(schedule, costs=costs)
+    end = {event.action: event.end for event in timeline.events}
+    for stage in range(schedule.stages):
+        previous = 0.0
+        for event in timeline.stage_events(stage):
+            action = event.action
+            ready = max([previous] + [
+                end[needed] + table.hop(needed.chunk, action.chunk, action.microbatch)
+                for needed in dependencies(schedule, action)])
+            assert event.start == pytest.approx(ready, abs=1e-12), action
+            assert event.duration == pytest.approx(
+                table.duration(action.op, action.microbatch, action.chunk), rel=1e-12)
+            previous = event.end
+
+
+def test_memory_traces_of_a_timeline_of_other_stages():
+    costs = Costs(activation_bytes=1).resolve(one_f_one_b(3, 2))
+    with pytest.raises(ValueError, match=r"expected costs resolved for 2 stages .*got 3"):
+        memory_traces(simulate(one_f_one_b(2, 2)), costs)
+    with pytest.raises(ValueError, match=r"expected costs with activation_bytes, got None"):
+        memory_traces(simulate(one_f_one_b(2, 2)), Costs().resolve(one_f_one_b(2, 2)))
