@@ -1,0 +1,71 @@
+"""benchmarks/gpu_check.py on the CPU: its dry run, its watchdog, its budget, its no-CUDA exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def run(*arguments: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *arguments], cwd=ROOT, env=environment,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def lines(done: subprocess.CompletedProcess[str], prefix: str) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.startswith(prefix)]
+
+
+def test_the_dry_run_passes_every_schedule_and_mode_and_the_bf16_step() -> None:
+    from schedules import schedule_names
+
+    done = run("--cpu-dry-run")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    passed = {tuple(line.split()[2:4]) for line in lines(done, "[exact] PASS")}
+    expected = {(name, mode) for name in schedule_names()
+                for mode in ("always", "except_last", "never")}
+    assert passed == expected, output[-4000:]
+    assert lines(done, "[bf16] PASS bf16 loss agrees"), output[-4000:]
+    assert lines(done, "[bf16] unpipelined") and lines(done, "[bf16] pipe (1f1b)")
+    assert "ratio pipe/unpipelined" in done.stdout
+    count = len(expected) + 1
+    assert f"[summary] PASS {count}  FAIL 0  HANG 0  NOT RUN 0" in done.stdout, output[-4000:]
+    assert done.stdout.rstrip().endswith("[summary] RESULT OK")
+
+
+def test_a_stalled_rank_is_a_hang_and_fresh_ranks_run_the_rest() -> None:
+    done = run("--cpu-dry-run", "--gloo", "--schedules", "gpipe,1f1b,zb-v",
+               "--stall-in", "1f1b", "--watchdog", "4")
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-4000:]
+    ranks = [line.split()[:3] for line in lines(done, "[gloo] ")][1:]
+    assert ranks == [["[gloo]", "PASS", "gpipe"], ["[gloo]", "HANG", "1f1b"],
+                     ["[gloo]", "PASS", "zb-v"]], output[-4000:]
+    assert "[summary] PASS 12  FAIL 0  HANG 1" in done.stdout, output[-4000:]
+    assert "[summary] RESULT FAILED" in done.stdout
+
+
+def test_a_spent_budget_says_what_was_not_run() -> None:
+    done = run("--cpu-dry-run", "--schedules", "1f1b", "--budget", "0")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert [line.split()[4] for line in lines(done, "[exact] NOT RUN")] == \
+        ["always", "except_last", "never"], output[-4000:]
+    assert lines(done, "[bf16] NOT RUN"), output[-4000:]
+    assert "NOT RUN 4" in done.stdout and "[summary] RESULT INCOMPLETE" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real check")
+def test_without_cuda_there_is_nothing_to_check() -> None:
+    done = run(timeout=60)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.rstrip().endswith("no CUDA device: nothing to check")
