@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from schedules._checks import check_counts
 from schedules.action import Schedule
-from schedules.zero_bubble import _stage_order
+from schedules.weights import lagged_stage_order
 
 
 def zero_bubble_capped(stages: int, microbatches: int, max_inflight: int | None = None) -> Schedule:
@@ -58,5 +58,5 @@ def zero_bubble_capped(stages: int, microbatches: int, max_inflight: int | None 
         early = min(stages - 1 - stage, extra)
         late = min(stage, extra) if cap >= 2 * stages - 1 else extra - early
         warmup, lag = stages - 1 - stage + early, stage + late
-        order.append(_stage_order(stage, microbatches, warmup=warmup, lag=lag))
+        order.append(lagged_stage_order(stage, microbatches, warmup=warmup, lag=lag))
     return Schedule(stages, microbatches, tuple(order), name="zb")

@@ -24,7 +24,8 @@ of its micro-batches are still held when its last I ends.
 from __future__ import annotations
 
 from schedules._checks import check_counts
-from schedules.action import Action, Op, Schedule
+from schedules.action import Schedule
+from schedules.weights import lagged_stage_order
 
 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
@@ -52,7 +53,7 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
     """
     check_counts(stages, microbatches)
     order = tuple(
-        _stage_order(stage, microbatches, warmup=stages - 1 - stage, lag=stage)
+        lagged_stage_order(stage, microbatches, warmup=stages - 1 - stage, lag=stage)
         for stage in range(stages)
     )
     return Schedule(stages, microbatches, order, name="zb-h1")
@@ -90,7 +91,7 @@ def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
     check_counts(stages, microbatches)
     extra = max(0, min(stages - 1, microbatches - stages))
     order = tuple(
-        _stage_order(
+        lagged_stage_order(
             stage,
             microbatches,
             warmup=stages - 1 - stage + min(stages - 1 - stage, extra),
@@ -99,20 +100,3 @@ def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
         for stage in range(stages)
     )
     return Schedule(stages, microbatches, order, name="zb-h2")
-
-
-def _stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> tuple[Action, ...]:
-    """``warmup`` forwards, then F and I in turn with W(m) right after I(m + lag), then the Ws."""
-    warmup = min(warmup, microbatches)
-    order = [Action(Op.F, m, stage) for m in range(warmup)]
-    forwards, weights = warmup, 0
-    for m in range(microbatches):
-        if forwards < microbatches:
-            order.append(Action(Op.F, forwards, stage))
-            forwards += 1
-        order.append(Action(Op.I, m, stage))
-        if m - lag >= 0:
-            order.append(Action(Op.W, m - lag, stage))
-            weights = m - lag + 1
-    order.extend(Action(Op.W, m, stage) for m in range(weights, microbatches))
-    return tuple(order)

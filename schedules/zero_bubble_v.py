@@ -23,11 +23,9 @@ is P stages' worth, 1F1B's peak. With F = I = W the bubble is then the ramp-up b
 
 from __future__ import annotations
 
-from collections import deque
-
 from schedules._checks import check_counts
 from schedules.action import Action, Op, Schedule
-from schedules.dependencies import ActionKey, dependency_keys
+from schedules.weights import add_weight_gradients
 
 
 def zero_bubble_v(stages: int, microbatches: int) -> Schedule:
@@ -62,7 +60,7 @@ def zero_bubble_v(stages: int, microbatches: int) -> Schedule:
         placement,
         name="zb-v",
     )
-    order = _add_weight_gradients(critical, limit=2 * stages)
+    order = add_weight_gradients(critical, limit=2 * stages)
     return Schedule(stages, microbatches, order, placement, name="zb-v")
 
 
@@ -93,61 +91,3 @@ def _forward_input_order(stage: int, stages: int, microbatches: int) -> tuple[Ac
     while counts[(Op.I, down)] < drawn:
         run((Op.I, down))
     return tuple(action for action in order if action.microbatch < microbatches)
-
-
-def _add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, ...], ...]:
-    """Insert each W into ``critical`` (F and I only) by replaying it with unit costs.
-
-    At every time step each stage runs its next F or I if its inputs are there and,
-    for an F, it holds fewer than ``limit`` chunk activations (or has no W to run
-    instead); otherwise its oldest pending W, if any. Deterministic: each stage
-    decides alone, on what finished before the step.
-    """
-    replay = _UnitReplay(critical, limit)
-    remaining = 3 * sum(len(actions) for actions in critical.order) // 2
-    step = 0
-    while remaining:
-        ran = [replay.next_action(stage, step) for stage in range(critical.stages)]
-        if not any(ran):
-            raise RuntimeError(f"{critical.name}: the replay stalled at step {step}")
-        for stage, action in enumerate(ran):
-            if action is not None:
-                replay.record(stage, action, step)
-                remaining -= 1
-        step += 1
-    return tuple(tuple(actions) for actions in replay.orders)
-
-
-class _UnitReplay:
-    """The state of the unit-cost replay: where each stage is, what it holds and owes."""
-
-    def __init__(self, critical: Schedule, limit: int) -> None:
-        self.critical = critical
-        self.limit = limit
-        self.orders: list[list[Action]] = [[] for _ in range(critical.stages)]
-        self.position = [0] * critical.stages
-        self.held = [0] * critical.stages
-        self.pending: list[deque[Action]] = [deque() for _ in range(critical.stages)]
-        self.finished: dict[ActionKey, int] = {}
-
-    def next_action(self, stage: int, step: int) -> Action | None:
-        """What ``stage`` runs at ``step``: its next F or I if it may, else its oldest W."""
-        actions = self.critical.order[stage]
-        pending = self.pending[stage]
-        if self.position[stage] < len(actions):
-            action = actions[self.position[stage]]
-            needed = dependency_keys(self.critical, action.op, action.microbatch, action.chunk)
-            ready = all(self.finished.get(key, step + 1) <= step for key in needed)
-            room = action.op is not Op.F or self.held[stage] < self.limit or not pending
-            if ready and room:
-                self.position[stage] += 1
-                return action
-        return pending.popleft() if pending else None
-
-    def record(self, stage: int, action: Action, step: int) -> None:
-        """``stage`` ran ``action`` during ``step``; its result is there from ``step + 1``."""
-        self.orders[stage].append(action)
-        self.finished[(action.op, action.microbatch, action.chunk)] = step + 1
-        self.held[stage] += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
-        if action.op is Op.I:
-            self.pending[stage].append(Action(Op.W, action.microbatch, action.chunk))

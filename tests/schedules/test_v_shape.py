@@ -57,24 +57,51 @@ def test_peak_activations_within_the_bar(name):
         assert peak <= BARS[name](stages) == v_memory_cap(name, stages), (stages, microbatches)
 
 
-@pytest.mark.parametrize(("name", "ratio"), [("v-half", 0.6), ("v-min", 0.8)])
-def test_bubble_well_under_1f1b(name, ratio):
-    # What this construction reaches (see the module docstring); the brief's bars are below.
-    for stages, microbatches in SWEEP:
-        ours = _equal_costs(GENERATORS[name](stages, microbatches)).bubble_fraction
-        assert ours <= ratio * _bubble_1f1b(stages, microbatches), (stages, microbatches)
+# Where the issue-13 bars (0.5x and 0.7x of 1F1B's bubble) are not reached yet: the
+# ratio reached there. Everywhere else in SWEEP the bars hold.
+SHORT_OF_THE_BAR = {
+    "v-half": {(10, 20): 0.518, (11, 22): 0.51, (12, 24): 0.533, (13, 26): 0.525,
+               (14, 28): 0.544, (14, 56): 0.501, (15, 30): 0.536, (16, 32): 0.551,
+               (16, 64): 0.508},
+    "v-min": {(8, 16): 0.7, (11, 22): 0.73, (14, 28): 0.734},
+}
+BAR = {"v-half": 0.5, "v-min": 0.7}
 
 
-@pytest.mark.xfail(strict=True, reason="the ramps are not yet squeezed as the paper's reordering does")
-@pytest.mark.parametrize(("name", "ratio"), [("v-half", 0.5), ("v-min", 0.7)])
-def test_bubble_bars_of_issue_13(name, ratio):
+@pytest.mark.parametrize("name", GENERATORS)
+def test_bubble_bars_of_issue_13_where_reached(name):
     for stages, microbatches in SWEEP:
         ours = _equal_costs(GENERATORS[name](stages, microbatches)).bubble_fraction
-        assert ours <= ratio * _bubble_1f1b(stages, microbatches), (stages, microbatches)
+        ratio = ours / _bubble_1f1b(stages, microbatches)
+        short = SHORT_OF_THE_BAR[name].get((stages, microbatches))
+        if short is None:
+            assert ratio <= BAR[name], (stages, microbatches, ratio)
+        else:  # no worse than recorded: a regression fails, an improvement is welcome
+            assert ratio <= short + 5e-4, (stages, microbatches, ratio)
+
+
+@pytest.mark.xfail(strict=True, reason="M = 2P at larger P: the squeeze is the paper's, not better")
+@pytest.mark.parametrize("name", GENERATORS)
+def test_bubble_bars_of_issue_13_everywhere(name):
+    for stages, microbatches in SHORT_OF_THE_BAR[name]:
+        ours = _equal_costs(GENERATORS[name](stages, microbatches)).bubble_fraction
+        assert ours <= BAR[name] * _bubble_1f1b(stages, microbatches), (stages, microbatches)
+
+
+def test_the_memory_cap_is_never_passed_during_the_replay():
+    # By construction: every stage's running count of held chunk activations.
+    for name in GENERATORS:
+        for stages, microbatches in [(2, 8), (5, 20), (8, 16), (11, 22)]:
+            schedule = GENERATORS[name](stages, microbatches)
+            for actions in schedule.order:
+                held = 0
+                for action in actions:
+                    held += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
+                    assert held <= 2 * v_memory_cap(name, stages)
 
 
 def test_figures_at_four_stages_eight_microbatches():
     half, least = _equal_costs(v_half(4, 8)), _equal_costs(v_min(4, 8))
     assert half.peak_activations == (3.0, 3.0, 3.0, 3.0)
-    assert least.peak_activations == (2.5, 2.0, 2.0, 2.0)
-    assert (round(half.bubble_fraction, 3), round(least.bubble_fraction, 3)) == (0.158, 0.186)
+    assert least.peak_activations == (3.0, 3.0, 3.0, 3.0)
+    assert (round(half.bubble_fraction, 3), round(least.bubble_fraction, 3)) == (0.094, 0.094)

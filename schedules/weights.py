@@ -1,0 +1,116 @@
+"""Where the weight gradients go: the W placement shared by the zero-bubble generators.
+
+A split backward leaves each ``W`` free to run any time after its ``I``; nobody
+waits for it. Two placements are shared here:
+
+- ``lagged_stage_order``: one chunk per stage, 1F1B with ``I`` for ``B`` and each
+  ``W(m)`` right after ``I(m + lag)`` (ZB-H1, ZB-H2 and the capped ``zb``);
+- ``add_weight_gradients``: any order of Fs and Is (ZB-V), replayed with unit
+  costs, a W going wherever the stage would otherwise wait or a forward would
+  pass a memory limit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from schedules.action import Action, Op, Schedule
+from schedules.dependencies import ActionKey, dependency_keys
+
+
+def lagged_stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> tuple[Action, ...]:
+    """``warmup`` forwards, then F and I in turn with W(m) right after I(m + lag), then the Ws.
+
+    >>> print(*lagged_stage_order(stage=0, microbatches=3, warmup=1, lag=1))
+    F0 F1 I0 F2 I1 W0 I2 W1 W2
+
+    Args:
+        stage: the stage (its one chunk has the same index).
+        microbatches: number of micro-batches M.
+        warmup: forwards before the first input gradient (at most M are run).
+        lag: how many input gradients later each weight gradient runs.
+
+    Returns:
+        The stage's actions in order.
+    """
+    warmup = min(warmup, microbatches)
+    order = [Action(Op.F, m, stage) for m in range(warmup)]
+    forwards, weights = warmup, 0
+    for m in range(microbatches):
+        if forwards < microbatches:
+            order.append(Action(Op.F, forwards, stage))
+            forwards += 1
+        order.append(Action(Op.I, m, stage))
+        if m - lag >= 0:
+            order.append(Action(Op.W, m - lag, stage))
+            weights = m - lag + 1
+    order.extend(Action(Op.W, m, stage) for m in range(weights, microbatches))
+    return tuple(order)
+
+
+def add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, ...], ...]:
+    """Insert each W into ``critical`` (F and I only) by replaying it with unit costs.
+
+    At every time step each stage runs its next F or I if its inputs are there and,
+    for an F, it holds fewer than ``limit`` chunk activations (or has no W to run
+    instead); otherwise its oldest pending W, if any. Deterministic: each stage
+    decides alone, on what finished before the step.
+
+    Args:
+        critical: the schedule's Fs and Is, every stage in its order.
+        limit: chunk activations a stage may hold before a pending W goes first.
+
+    Returns:
+        Every stage's order with its Ws inserted.
+
+    Raises:
+        RuntimeError: the replay stalled (``critical`` cannot run).
+    """
+    replay = _UnitReplay(critical, limit)
+    remaining = 3 * sum(len(actions) for actions in critical.order) // 2
+    step = 0
+    while remaining:
+        ran = [replay.next_action(stage, step) for stage in range(critical.stages)]
+        if not any(ran):
+            raise RuntimeError(f"{critical.name}: the replay stalled at step {step}")
+        for stage, action in enumerate(ran):
+            if action is not None:
+                replay.record(stage, action, step)
+                remaining -= 1
+        step += 1
+    return tuple(tuple(actions) for actions in replay.orders)
+
+
+class _UnitReplay:
+    """The state of the unit-cost replay: where each stage is, what it holds and owes."""
+
+    def __init__(self, critical: Schedule, limit: int) -> None:
+        self.critical = critical
+        self.limit = limit
+        self.orders: list[list[Action]] = [[] for _ in range(critical.stages)]
+        self.position = [0] * critical.stages
+        self.held = [0] * critical.stages
+        self.pending: list[deque[Action]] = [deque() for _ in range(critical.stages)]
+        self.finished: dict[ActionKey, int] = {}
+
+    def next_action(self, stage: int, step: int) -> Action | None:
+        """What ``stage`` runs at ``step``: its next F or I if it may, else its oldest W."""
+        actions = self.critical.order[stage]
+        pending = self.pending[stage]
+        if self.position[stage] < len(actions):
+            action = actions[self.position[stage]]
+            needed = dependency_keys(self.critical, action.op, action.microbatch, action.chunk)
+            ready = all(self.finished.get(key, step + 1) <= step for key in needed)
+            room = action.op is not Op.F or self.held[stage] < self.limit or not pending
+            if ready and room:
+                self.position[stage] += 1
+                return action
+        return pending.popleft() if pending else None
+
+    def record(self, stage: int, action: Action, step: int) -> None:
+        """``stage`` ran ``action`` during ``step``; its result is there from ``step + 1``."""
+        self.orders[stage].append(action)
+        self.finished[(action.op, action.microbatch, action.chunk)] = step + 1
+        self.held[stage] += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
+        if action.op is Op.I:
+            self.pending[stage].append(Action(Op.W, action.microbatch, action.chunk))
