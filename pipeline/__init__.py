@@ -1,12 +1,12 @@
 """Run pipeline schedules on real tensors: threads in one process, or one stage per rank."""
 
-from pipeline.dist_transport import PeerError
+from pipeline.transports.base import PeerError
 from pipeline.distributed import make_groups
 from pipeline.memory import MemoryReport
 from pipeline.pipe import Pipe
 from pipeline.stage import StageError
 from pipeline.state import gather_state_dict, save_state_dict
-from pipeline.transport import PipelineAborted
+from pipeline.transports.base import PipelineAborted
 
 __all__ = [
     "MemoryReport",

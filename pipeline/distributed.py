@@ -17,15 +17,16 @@ from torch import nn
 
 from schedules import Event, Schedule, Timeline
 
-from pipeline.checkpoint import step_seed
-from pipeline.dist_transport import DistTransport, PeerError
-from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
-from pipeline.local import propagate_input_grads
+from pipeline.collectives import all_gather, all_reduce, barrier, gather_objects
+from pipeline.executor import StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.partition import build_chunks
 from pipeline.shared import SharedParameter, shared_parameters, stages_using, unique
+from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
+from pipeline.transports import make_transport
+from pipeline.transports.base import PeerError
 
 
 def rank_device(group: Any) -> torch.device:
@@ -35,14 +36,14 @@ def rank_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def check_agreement(group: Any, **settings: Any) -> None:
+def check_agreement(group: Any, timeout: float, **settings: Any) -> None:
     """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings.
 
     One small all-gather; the message names each rank that differs from the majority.
     """
     mine = {name: repr(value) for name, value in settings.items()}
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = gather_objects(mine, group, timeout, "checking that the ranks agree",
+                              rank_device(group))
     problems = []
     for name in settings:
         values = [g[name] for g in gathered]
@@ -54,18 +55,17 @@ def check_agreement(group: Any, **settings: Any) -> None:
         raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
 
 
-def clock_offset(group: Any) -> float:
+def clock_offset(group: Any, timeout: float, device: torch.device) -> float:
     """Seconds to subtract from this rank's ``time.perf_counter()`` to read the first rank's.
 
     Ranks on one host read the same monotonic clock: 0. Across hosts the offset is
     measured once, at the exit of a barrier (good to a fraction of a millisecond), so
     that steps need no barrier of their own.
     """
-    dist.barrier(group=group)
+    barrier(group, timeout, "aligning clocks")
     now = time.perf_counter()
     mine = (socket.gethostname(), now)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = gather_objects(mine, group, timeout, "aligning clocks", device)
     first_host, first_now = gathered[0]
     return 0.0 if first_host == mine[0] else now - first_now
 
@@ -180,6 +180,7 @@ class DistRunner:
         group: Any,
         data_group: Any,
         init_fn: Callable[[nn.Module], None] | None,
+        transport: str = "auto",
     ) -> None:
         self.group = group
         self.data_group = data_group
@@ -227,13 +228,18 @@ class DistRunner:
 
         devices = [device] * schedule.stages
         self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
-        self.plan = StagePlan.of(schedule, self.stage)
-        self.receive_order = self.plan.receive_order(schedule)
-        self.transport = DistTransport(
-            group, self.stage_ranks, self.stage, device, schedule.chunks, timeout
+        self.timeout = timeout
+        self.plans = Plans(schedule)
+        self.training_plan = self.plans.stage(self.stage, infer=False)
+        self.forward_plan = self.plans.stage(self.stage, infer=True)
+        channels = sorted(set(self.plans.training.channels) | set(self.plans.forward.channels))
+        self.transport = make_transport(
+            transport, group, self.stage_ranks, self.stage, device, schedule.chunks, channels,
+            timeout,
         )
-        self.clock_offset = clock_offset(group)
+        self.clock_offset = clock_offset(group, timeout, device)
         self.memory: tuple[MemoryReport, ...] = ()
+        self._broken: str | None = None  # why this rank's group can no longer be used
 
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
@@ -254,14 +260,43 @@ class DistRunner:
     def _fail(self, error: BaseException) -> None:
         origin = error.rank if isinstance(error, PeerError) else dist.get_rank()
         self.transport.fail(origin, f"{type(error).__name__}: {error}")
+        if isinstance(error, PeerError):
+            self._broken = self._broken or str(error)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise PeerError(
+                f"this pipeline's process group failed in an earlier step ({self._broken}); "
+                f"messages of that step may still be in flight, so the group cannot be reused: "
+                f"call pipe.close(), destroy the process group and build a new one and a new Pipe",
+                -1,
+            )
+
+    def _run(self, plan: Any, step_inputs: StepInputs, infer: bool) -> Any:
+        self._check_usable()
+        self.transport.begin_step(self.plans.forward if infer else self.plans.training, self.stage)
+        try:
+            result = run_stage(plan, self.chunks, self.transport, step_inputs, infer=infer)
+            self.transport.finish()
+        except BaseException as error:
+            self._fail(error)
+            raise
+        return result
 
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, Timeline | None]:
+        try:
+            return self._step(inputs, targets, weights)
+        except PeerError as error:
+            # Messages of this step may still be in flight: the group must not be reused.
+            self._broken = self._broken or str(error)
+            raise
+
+    def _step(
+        self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
+    ) -> tuple[torch.Tensor, Timeline | None]:
         schedule = self.schedule
-        seed = step_seed()
-        for chunk in self.chunks.values():
-            chunk.begin_step(seed, schedule.microbatches, bool(schedule.split_backward))
         self.tracker.reset_peaks()
         step_inputs = StepInputs(
             inputs=None if inputs is None else [to_device(x, self.device) for x in inputs],
@@ -269,18 +304,8 @@ class DistRunner:
             weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
         )
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
-        self.transport.begin_step(self.receive_order, self.plan.destinations)
-        try:
-            result = run_stage(schedule, self.plan, self.chunks, self.transport, step_inputs)
-            self.transport.finish()
-            for chunk in self.chunks.values():
-                chunk.end_step()
-        except BaseException as error:
-            self._fail(error)
-            raise
-        finally:
-            for chunk in self.chunks.values():
-                chunk.begin_step(0, schedule.microbatches, False)
+        with step_of(self.chunks.values(), schedule, bool(schedule.split_backward)):
+            result = self._run(self.training_plan, step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
         self.memory = (self.tracker.report(),)
         loss, timeline = self._share_results(result.losses, result.events, origin)
@@ -296,7 +321,7 @@ class DistRunner:
                 grad = parameter.grad
             else:
                 grad = torch.zeros(synced.shape, dtype=synced.dtype, device=self.device)
-            dist.all_reduce(grad, group=self.group)
+            all_reduce(grad, self.group, self.timeout, "summing a shared parameter's gradient")
             if parameter is not None:
                 parameter.grad = grad
 
@@ -306,9 +331,9 @@ class DistRunner:
         replicas = dist.get_world_size(self.data_group)
         for parameter in self.parameters():
             if parameter.grad is not None:
-                dist.all_reduce(parameter.grad, group=self.data_group)
+                all_reduce(parameter.grad, self.data_group, self.timeout, "averaging gradients")
                 parameter.grad.div_(replicas)
-        dist.all_reduce(loss, group=self.data_group)
+        all_reduce(loss, self.data_group, self.timeout, "averaging the loss")
         loss.div_(replicas)
 
     def _share_results(
@@ -332,46 +357,37 @@ class DistRunner:
                 dtype=torch.float64,
             )
         row = row.to(self.device)
-        rows = [torch.empty_like(row) for _ in range(schedule.stages)]
-        dist.all_gather(rows, row, group=self.group)
+        rows = all_gather(row, self.group, self.timeout, "gathering the loss and timeline")
         loss = rows[schedule.placement[-1]][0].clone()
         if self.stage != 0:
             return loss, None
         start = float(rows[0][1])
-        timeline = Timeline(
-            stages=schedule.stages,
-            events=tuple(
-                Event(stage, action, begin - start, end - start)
-                for stage, part in enumerate(rows)
-                for action, (begin, end) in zip(
-                    schedule.order[stage], part[2:].view(-1, 2).tolist()
-                )
-            ),
-            chunks_per_stage=tuple(len(c) for c in schedule.chunks_of_stage),
-            name=f"{schedule.name} (measured, {schedule.stages} ranks)",
-        )
-        return loss, timeline
+        events = [
+            Event(stage, action, begin - start, end - start)
+            for stage, part in enumerate(rows)
+            for action, (begin, end) in zip(schedule.order[stage], part[2:].view(-1, 2).tolist())
+        ]
+        return loss, measured_timeline(schedule, events, f"measured, {schedule.stages} ranks")
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         schedule = self.schedule
-        seed = step_seed()
-        for chunk in self.chunks.values():
-            chunk.begin_step(seed, schedule.microbatches, False)
-        inputs = None if inputs is None else [to_device(x, self.device) for x in inputs]
-        receives = [
-            (key, source) for key, source in self.receive_order if key[0].value == "F"
-        ]
-        self.transport.begin_step(receives, {})
-        try:
-            with torch.no_grad():
-                outputs = run_forward_stage(schedule, self.plan, self.chunks, self.transport, inputs)
-            self.transport.finish()
-        except BaseException as error:
-            self._fail(error)
-            raise
+        step_inputs = StepInputs(
+            None if inputs is None else [to_device(x, self.device) for x in inputs], None, ()
+        )
+        with step_of(self.chunks.values(), schedule, False), torch.no_grad():
+            result = self._run(self.forward_plan, step_inputs, infer=True)
         if self.stage != schedule.placement[-1]:
             return None
-        return [outputs[m] for m in range(schedule.microbatches)]
+        return [result.outputs[m] for m in range(schedule.microbatches)]
+
+    def close(self) -> None:
+        """Let every rank arrive, then release the transport's communicators and buffers."""
+        if self._broken is None:
+            try:
+                barrier(self.group, self.timeout, "closing the pipeline")
+            except PeerError:
+                pass
+        self.transport.close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -379,12 +395,12 @@ class DistRunner:
         if norm_type == float("inf"):
             local = max((g.abs().max() for g in counted), default=torch.zeros((), device=self.device))
             total = local.to(torch.float64).clone()
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+            all_reduce(total, self.group, self.timeout, "clipping gradients", dist.ReduceOp.MAX)
         else:
             local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in counted),
                         torch.zeros((), dtype=torch.float64, device=self.device))
             total = local.clone()
-            dist.all_reduce(total, group=self.group)
+            all_reduce(total, self.group, self.timeout, "clipping gradients")
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import replace
 from typing import Any
@@ -12,18 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedules import Schedule, Timeline
+from schedules import Event, Schedule, Timeline
 
-from pipeline.checkpoint import step_seed
 from pipeline.context import CallerState
-from pipeline.executor import StagePlan, StepInputs, run_forward_stage, run_stage
+from pipeline.executor import StageResult, StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
-from pipeline.payload import differentiable, flatten
 from pipeline.partition import build_chunks
+from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
 from pipeline.shared import chunk_layers, shared_parameters
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
-from pipeline.transport import LocalTransport, PipelineAborted
+from pipeline.transports.base import PipelineAborted
+from pipeline.transports.local import LocalTransport
 
 
 class LocalRunner:
@@ -38,6 +38,7 @@ class LocalRunner:
         options: ChunkOptions,
         timeout: float,
     ) -> None:
+        self.model = model
         self.schedule = schedule
         self.devices = list(devices)
         self.timeout = timeout
@@ -66,7 +67,7 @@ class LocalRunner:
         self.chunks = build_chunks(
             model, balance, schedule, self.devices, range(schedule.stages), make_chunk
         )
-        self.plans = [StagePlan.of(schedule, stage) for stage in range(schedule.stages)]
+        self.plans = Plans(schedule)
         self.streams = [
             torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
         ]
@@ -109,91 +110,74 @@ class LocalRunner:
         return results
 
     def run_step(
-        self, inputs: list[Any], targets: list[Any], weights: list[float]
+        self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, Timeline]:
         schedule = self.schedule
-        caller = CallerState.capture()
-        seed = step_seed()
-        for chunk in self.chunks.values():
-            chunk.begin_step(seed, schedule.microbatches, bool(schedule.split_backward))
+        caller = replace(CallerState.capture(), grad_enabled=True)
         for tracker in self.trackers:
             tracker.reset_peaks()
         first_device = self.devices[schedule.placement[0]]
         last_device = self.devices[schedule.placement[-1]]
         step_inputs = StepInputs(
-            inputs=[to_device(x, first_device) for x in inputs],
-            targets=[to_device(t, last_device) for t in targets],
-            weights=weights,
+            inputs=[to_device(x, first_device) for x in inputs or ()],
+            targets=[to_device(t, last_device) for t in targets or ()],
+            weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
         )
         origin = time.perf_counter()
+        plans = [self.plans.stage(stage, infer=False) for stage in range(schedule.stages)]
 
-        def work(stage: int, endpoint: Any) -> Any:
-            return run_stage(schedule, self.plans[stage], self._stage_chunks(stage), endpoint,
-                             step_inputs)
+        def work(stage: int, endpoint: Any) -> StageResult:
+            endpoint.begin_step(self.plans.training, stage)
+            return run_stage(plans[stage], self._stage_chunks(stage), endpoint, step_inputs)
 
-        try:
-            results = self._run_threads(work, replace(caller, grad_enabled=True))
-            for chunk in self.chunks.values():
-                chunk.end_step()
-        finally:
-            for chunk in self.chunks.values():
-                chunk.begin_step(0, schedule.microbatches, False)
+        with step_of(self.chunks.values(), schedule, bool(schedule.split_backward)):
+            results = self._run_threads(work, caller)
         propagate_input_grads(step_inputs.inputs, results)
         losses = {m: loss for r in results for m, loss in r.losses.items()}
         loss = sum(losses[m].to(last_device) for m in range(schedule.microbatches))
         events = [
-            type(e)(e.stage, e.action, e.start - origin, e.end - origin)
+            Event(e.stage, e.action, e.start - origin, e.end - origin)
             for r in results for e in r.events
         ]
-        timeline = Timeline(
-            stages=schedule.stages,
-            events=tuple(events),
-            chunks_per_stage=tuple(len(c) for c in schedule.chunks_of_stage),
-            name=f"{schedule.name} (measured)",
-        )
         self.memory = tuple(tracker.report() for tracker in self.trackers)
-        return loss, timeline  # type: ignore[return-value]
+        return loss, measured_timeline(schedule, events, "measured")  # type: ignore[return-value]
 
-    def run_forward(self, inputs: list[Any]) -> list[Any]:
+    def run_forward(self, inputs: list[Any] | None) -> list[Any]:
         schedule = self.schedule
         caller = CallerState.capture()
-        seed = step_seed()
-        for chunk in self.chunks.values():
-            chunk.begin_step(seed, schedule.microbatches, False)
         first_device = self.devices[schedule.placement[0]]
-        inputs = [to_device(x, first_device) for x in inputs]
+        step_inputs = StepInputs([to_device(x, first_device) for x in inputs or ()], None, ())
+        plans = [self.plans.stage(stage, infer=True) for stage in range(schedule.stages)]
 
-        def work(stage: int, endpoint: Any) -> Any:
-            return run_forward_stage(schedule, self.plans[stage], self._stage_chunks(stage),
-                                     endpoint, inputs)
+        def work(stage: int, endpoint: Any) -> StageResult:
+            endpoint.begin_step(self.plans.forward, stage)
+            return run_stage(plans[stage], self._stage_chunks(stage), endpoint, step_inputs,
+                             infer=True)
 
-        results = self._run_threads(work, caller)
-        for chunk in self.chunks.values():
-            chunk.end_step()
-        outputs = {m: out for r in results for m, out in r.items()}
+        with step_of(self.chunks.values(), schedule, False):
+            results = self._run_threads(work, caller)
+        outputs = {m: out for r in results for m, out in r.outputs.items()}
         return [outputs[m] for m in range(schedule.microbatches)]
+
+    # -- the model's state, all of it in this process ----------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self.model.load_state_dict(state, strict=strict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            if stream is not None:
+                stream.synchronize()
 
 
 def _chunk_params(model: nn.Sequential, balance: Sequence[int], chunk: int) -> list[torch.Tensor]:
-    first = sum(balance[:chunk])
-    return [p for i in range(first, first + balance[chunk]) for p in model[i].parameters()]
-
-
-def propagate_input_grads(inputs: Sequence[Any] | None, results: Sequence[Any]) -> None:
-    """Carry the first chunk's input gradients back into the caller's ``x`` (``x.grad``).
-
-    ``inputs`` are the micro-batches as the first chunk received them: slices of ``x``
-    (moved to its device), still attached to ``x``'s graph.
-    """
-    found = {m: grads for r in results for m, grads in r.input_grads.items()}
-    if not found or inputs is None:
-        return
-    roots, grads = [], []
-    for microbatch, input_grads in found.items():
-        leaves = [t for t in flatten(inputs[microbatch]).leaves if differentiable(t)]
-        for leaf, grad in zip(leaves, input_grads):
-            if grad is not None and leaf.requires_grad:
-                roots.append(leaf)
-                grads.append(grad)
-    if roots:
-        torch.autograd.backward(roots, grads)
+    return [p for i in chunk_layers(balance)[chunk] for p in model[i].parameters()]

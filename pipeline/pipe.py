@@ -52,6 +52,10 @@ class Pipe:
             tokens); the step's loss is then the sum of sums over the sum of counts.
         deferred_batch_norm: BatchNorm running statistics updated once per step, as one
             forward of the whole batch would (else once per micro-batch).
+        transport: with ``group``: ``"auto"`` (NCCL's rules under NCCL, tag-matched
+            messages under gloo), ``"gloo"``, or ``"ordered"``: NCCL's rules on any
+            backend (on gloo it also waits for every send, the worst case NCCL allows,
+            so a run on CPUs checks what would hang on GPUs).
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
         group: a process group for one stage per rank (see ``pipeline.distributed``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
@@ -83,6 +87,7 @@ class Pipe:
         init_fn: Callable[[nn.Module], None] | None = None,
         loss_count: Callable[[Any], Any] | None = None,
         deferred_batch_norm: bool = False,
+        transport: str = "auto",
     ) -> None:
         if group is not None:
             # First, before anything that could raise on some ranks and not others.
@@ -90,6 +95,7 @@ class Pipe:
 
             check_agreement(
                 group,
+                timeout,
                 chunks=chunks,
                 schedule=schedule_digest(schedule) if isinstance(schedule, Schedule) else schedule,
                 balance=balance,
@@ -108,6 +114,8 @@ class Pipe:
             bool(deferred_batch_norm),
         )
         self.timeout = timeout
+        self._closed = False
+        self._transport = transport
         self._group = group
         self._data_group = data_group
         self._init_fn = init_fn
@@ -195,7 +203,7 @@ class Pipe:
 
             self._runner = DistRunner(
                 self.model, self._balance, self._schedule, self._devices[0], self._options,
-                self.timeout, self._group, self._data_group, self._init_fn,
+                self.timeout, self._group, self._data_group, self._init_fn, self._transport,
             )
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
@@ -210,17 +218,32 @@ class Pipe:
 
         if self._group is None or not isinstance(self._balance_request, str):
             return resolve()
-        # Measured balances differ from rank to rank: the first rank's is everyone's.
+        # Measured balances differ from rank to rank: the first rank's is everyone's. Its
+        # failure travels too, so that no rank waits for a balance that will never come.
         import torch.distributed as dist
 
-        decided: list[Any] = [None]
+        from pipeline.collectives import broadcast_object
+        from pipeline.distributed import rank_device
+
+        decided: tuple[Any, str | None] = (None, None)
+        error: BaseException | None = None
         if dist.get_rank(self._group) == 0:
-            decided[0] = resolve()
-        dist.broadcast_object_list(decided, src=dist.get_global_rank(self._group, 0),
-                                   group=self._group)
+            try:
+                decided = (resolve(), None)
+            except Exception as failure:  # raised below, on every rank
+                error = failure
+                decided = (None, f"{type(failure).__name__}: {failure}")
+        decided = broadcast_object(decided, 0, self._group, self.timeout,
+                                   "sharing rank 0's balance", rank_device(self._group))
+        if error is not None:
+            raise error
+        if decided[1] is not None:
+            raise ValueError(f"rank 0 could not resolve the balance: {decided[1]}")
         return decided[0]
 
     def _ensure_runner(self, sample: Any) -> None:
+        if self._closed:
+            raise RuntimeError("this Pipe was closed; build a new one")
         if self._runner is None:
             first = sample[0] if isinstance(sample, list) else sample
             self._balance = self._resolve_balance(first)
@@ -328,8 +351,8 @@ class Pipe:
     # -- model-like helpers ---------------------------------------------------------------
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this process holds (all of them in one process)."""
-        if self._group is None or self._runner is None:
+        """The parameters this process holds (all of them in one process), each once."""
+        if self._runner is None:
             return self.model.parameters()
         return self._runner.parameters()
 
@@ -349,13 +372,13 @@ class Pipe:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state under its own keys (with a group: this rank's layers only)."""
-        if self._group is None or self._runner is None:
+        if self._runner is None:
             return self.model.state_dict()
         return self._runner.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped)."""
-        if self._group is None or self._runner is None:
+        if self._runner is None:
             self.model.load_state_dict(state, strict=strict)
         else:
             self._runner.load_state_dict(state, strict=strict)
@@ -365,6 +388,26 @@ class Pipe:
 
         Same result as ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
         """
-        if self._group is None or self._runner is None:
+        if self._runner is None:
             return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
         return self._runner.clip_grad_norm_(max_norm, norm_type)
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release what this Pipe holds: communicators, buffers, in-flight messages.
+
+        With a group, every rank calls it (it waits for all ranks, up to ``timeout``);
+        then ``torch.distributed.destroy_process_group()`` is safe. The Pipe is not
+        usable afterwards. ``with Pipe(...) as pipe:`` calls it on leaving the block.
+        """
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+        self._closed = True
+
+    def __enter__(self) -> Pipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -50,7 +50,9 @@ def grad_error(model: nn.Sequential, reference: dict[str, torch.Tensor]) -> tupl
     return worst, compared
 
 
-def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts: tuple[int, ...]) -> list[tuple[Any, ...]]:
+def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts: tuple[int, ...],
+                transport: str = "auto", modes: tuple[str, ...] = MODES,
+                timeout: float = 60.0) -> list[tuple[Any, ...]]:
     """Every (schedule, mode, chunks): loss and local-gradient errors against the plain model."""
     from pipeline import Pipe
 
@@ -58,17 +60,19 @@ def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts:
     reference_loss, reference = reference_grads(x, y)
     rows = []
     for schedule in schedules:
-        for mode in MODES:
+        for mode in modes:
             for chunks in chunk_counts:
                 model = deep_mlp()
                 pipe = Pipe(model, chunks=chunks, schedule=schedule, checkpoint=mode,
-                            loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+                            loss_fn=nn.MSELoss(), group=dist.group.WORLD, transport=transport,
+                            timeout=timeout)
                 first = pipe.schedule.placement[0] == rank
                 last = pipe.schedule.placement[-1] == rank
                 loss = pipe.step(x if first else None, y if last else None)
                 error, compared = grad_error(model, reference)
                 rows.append((schedule, mode, chunks, abs(loss.item() - reference_loss), error,
                              compared))
+                pipe.close()
     return rows
 
 
@@ -332,3 +336,74 @@ def repeated_steps(rank: int, world: int, schedules: tuple[str, ...]) -> list[tu
             worst = max(worst, error if compared else float("inf"))
         results.append((schedule, worst))
     return results
+
+
+def naive_plan_under_nccl_rules(rank: int, world: int) -> Any:
+    """The posting order the runtime used before comm plans: it must hang under NCCL's rules
+    (and the timeout must turn the hang into a PeerError on every rank)."""
+    from pipeline import PeerError, Pipe
+    from pipeline.runner import Plans
+
+    x, y = batch()
+    pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD, transport="ordered", timeout=3.0)
+    runner = pipe._runner
+    runner.plans = Plans(pipe.schedule, "naive")
+    runner.training_plan = runner.plans.stage(rank, infer=False)
+    started = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    except PeerError as error:
+        return "PeerError", time.monotonic() - started, str(error)
+    return "finished", time.monotonic() - started, ""
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a rank that goes silent after its peers' last sends."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SilentLayer(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if torch.is_grad_enabled() and self.calls == 4 and self.seconds:  # the last micro-batch
+            return _SleepInBackward.apply(x, self.seconds)
+        return x
+
+
+def silent_peer(rank: int, world: int, seconds: float) -> Any:
+    """Rank 0 goes silent in its last backward; every other rank has sent all it had to send
+    and waits in the results' all-gather. With timeout=5 that wait must end in a PeerError."""
+    from pipeline import PeerError, Pipe
+
+    x, y = batch()
+    layers = list(deep_mlp())
+    model = nn.Sequential(layers[0], SilentLayer(seconds if rank == 0 else 0.0), *layers[1:])
+    pipe = Pipe(model, chunks=4, schedule="gpipe", checkpoint="never", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD, timeout=5.0)
+    started = time.monotonic()
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    except PeerError as error:
+        outcome = ("PeerError", time.monotonic() - started, str(error))
+    else:
+        outcome = ("finished", time.monotonic() - started, "")
+    try:
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    except PeerError as error:
+        return outcome, str(error)
+    return outcome, "the next step ran"

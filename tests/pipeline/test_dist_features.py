@@ -9,6 +9,7 @@ import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    silent_peer,
     clipping,
     data_parallel,
     disagreement,
@@ -136,3 +137,12 @@ def test_repeated_steps_and_a_shape_change_stay_exact() -> None:
     for results in run_ranks(repeated_steps, 2, ("gpipe", "1f1b", "zb-v")):
         for schedule, error in results:
             assert error < TOLERANCE, f"{schedule}: gradients off by {error}"
+
+
+def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout() -> None:
+    (silent, silent_next), (waiting, waiting_next) = run_ranks(silent_peer, 2, 12.0, timeout=90)
+    assert waiting[0] == "PeerError" and waiting[1] < 10, waiting
+    assert "did not complete within 5s" in waiting[2]
+    assert silent[0] == "PeerError", silent  # its peer gave up: it is told, not left waiting
+    for message in (silent_next, waiting_next):
+        assert "cannot be reused" in message and "build a new one" in message

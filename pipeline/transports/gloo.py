@@ -1,8 +1,12 @@
-"""DistTransport: results crossing ranks with torch.distributed point-to-point messages.
+"""GlooTransport: results crossing ranks with torch.distributed point-to-point messages.
+
+It follows the comm plan's order, with gloo's freedoms: messages are matched
+by tag, so receives are posted ahead of the plan (a few at a time) and sends
+never block; nothing waits longer than the plan says, so it cannot deadlock.
 
 A message is one flat byte buffer: a small int64 header (status, origin rank,
 and the dtype and shape of each tensor), then each tensor's bytes (the format is
-``pipeline.wire``). One message per hop, whatever the number of tensors: every gloo call costs the sender, the
+``pipeline.transports.wire``). One message per hop, whatever the number of tensors: every gloo call costs the sender, the
 receiver and both ranks' gloo threads time on cores the compute is using, so a
 hop that took a header message and a payload message cost twice. Shapes may
 change from one micro-batch to the next (variable sequence lengths); receive
@@ -40,18 +44,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from schedules import Op
+from schedules import CommPlan, Group, Op
 from schedules.dependencies import ActionKey
 
 from pipeline.payload import from_wire, to_wire
-from pipeline.wire import (
+from pipeline.transports.base import Payload, PeerError
+from pipeline.transports.wire import (
     FAILED,
     HEADER_BYTES,
     MAX_MESSAGE_BYTES,
@@ -74,14 +79,6 @@ FAILURE_GRACE = 0.5  # seconds a failing rank waits for its last messages to lea
 _OP_CODES = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
 
 
-class PeerError(RuntimeError):
-    """A peer rank failed, died or did not answer in time."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
 def _tag(key: ActionKey, chunks: int, second: bool) -> int:
     op, microbatch, chunk = key
     return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * 2 + int(second)
@@ -101,7 +98,7 @@ def _predicted(record: Record, key: tuple[ActionKey, int]) -> Metas | None:
     return last[0] if last is not None and last[1] else None
 
 
-class DistTransport:
+class GlooTransport:
     """Point-to-point transport for one stage of a pipeline process group."""
 
     def __init__(
@@ -136,17 +133,40 @@ class DistTransport:
         self._sent_shapes: Record = {}
         self._received_shapes: Record = {}
         self._ahead: list[tuple[ActionKey, int]] = []  # to post, in the order of use
+        self._sources: dict[ActionKey, int] = {}
         self._posted: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
         self._abandoned: list[tuple[Any, torch.Tensor]] = []  # a failed step's last sends
 
-    def begin_step(
-        self, receives: Sequence[tuple[ActionKey, int]], sends: dict[ActionKey, tuple[int, ...]]
-    ) -> None:
-        """Note this step's receives (posted ahead under gloo) and the messages owed."""
-        self._owed = {key: list(destinations) for key, destinations in sends.items()}
+    def begin_step(self, plan: CommPlan, stage: int) -> None:
+        """Note this step's receives (posted ahead, in plan order) and the messages owed."""
+        receives = [(op.key, op.peer) for op in plan.receives(stage)]
+        self._sources = dict(receives)
+        self._owed = {}
+        for op in plan.sends(stage):
+            self._owed.setdefault(op.key, []).append(op.peer)
         self._posted = {}
-        self._ahead = list(receives) if self.predicts else []
+        self._ahead = receives if self.predicts else []
         self._post_ahead()
+
+    def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
+        """Send the group's sends now; its receives are already posted ahead, or will be."""
+        for op in group.ops:
+            if op.kind == "send":
+                self.send(op.key, op.peer, outgoing[op.key])
+
+    def take(self, key: ActionKey) -> Payload:
+        return self.receive(key, self._sources[key])
+
+    def close(self) -> None:
+        """Wait briefly for what is still in flight, then drop every buffer."""
+        for work, _ in self._sends + self._abandoned:
+            try:
+                work.wait(timedelta(seconds=FAILURE_GRACE))
+            except RuntimeError:
+                pass
+        self._sends, self._abandoned, self._posted = [], [], {}
+        self.pool = BufferPool(self.device)
+        self.send_pool = BufferPool(self.device)
 
     def _post_ahead(self) -> None:
         while self._ahead and len(self._posted) < self.lookahead:
@@ -160,7 +180,12 @@ class DistTransport:
     def _post(self, key: ActionKey, source: int, nbytes: int, second: bool) -> tuple[torch.Tensor, Any]:
         buffer = self.pool.take(nbytes)
         peer = self.stage_ranks[source]
-        return buffer, dist.irecv(buffer, peer, self.group, tag=_tag(key, self.chunks, second))
+        try:
+            return buffer, dist.irecv(buffer, peer, self.group, tag=_tag(key, self.chunks, second))
+        except RuntimeError as error:
+            raise PeerError(
+                f"stage {self.stage} could not receive from rank {peer} (it died?): {error}", peer
+            ) from error
 
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:
         header = self._headers.get((metas, kind))

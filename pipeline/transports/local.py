@@ -1,20 +1,23 @@
-"""LocalTransport: results crossing stages that run as threads of one process."""
+"""LocalTransport: results crossing stages that run as threads of one process.
+
+Mailboxes never block a sender, so the plan's receives are taken lazily, when an
+action needs them: less waiting than the plan allows, which cannot deadlock.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from schedules import CommPlan, Group
 from schedules.dependencies import ActionKey
 
 from pipeline.payload import flatten, map_tensors
-
-
-class PipelineAborted(RuntimeError):
-    """Raised in a stage that was waiting when another stage failed."""
+from pipeline.transports.base import Payload, PipelineAborted
 
 
 def move(payload: Any, device: torch.device) -> Any:
@@ -69,12 +72,33 @@ class LocalTransport:
 
 
 class LocalEndpoint:
-    """One stage's view of a LocalTransport."""
+    """One stage's view of a LocalTransport (a ``Transport``)."""
 
     def __init__(self, transport: LocalTransport, stage: int) -> None:
         self.transport = transport
         self.stage = stage
         self.device = transport.devices[stage]
+        self._sources: dict[ActionKey, int] = {}
+
+    def begin_step(self, plan: CommPlan, stage: int) -> None:
+        self._sources = {op.key: op.peer for op in plan.receives(stage)}
+
+    def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
+        for op in group.ops:
+            if op.kind == "send":
+                self.send(op.key, op.peer, outgoing[op.key])
+
+    def take(self, key: ActionKey) -> Payload:
+        return self.receive(key, self._sources[key])
+
+    def finish(self) -> None:
+        return None
+
+    def fail(self, origin: int, reason: str) -> None:
+        self.transport.abort(reason)
+
+    def close(self) -> None:
+        return None
 
     def send(self, key: ActionKey, destination: int, payload: Any) -> None:
         event = None

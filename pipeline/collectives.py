@@ -1,0 +1,65 @@
+"""Collectives that honour a Pipe's timeout: a silent peer is a PeerError, not a 30-minute hang.
+
+torch.distributed's collectives wait for the process group's own timeout (30
+minutes by default) unless asked otherwise. Each helper here posts the
+collective asynchronously and waits at most ``timeout`` seconds, then names the
+collective and the group's size in the error.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.transports.base import PeerError
+
+
+def _wait(work: Any, what: str, group: Any, timeout: float) -> None:
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as error:
+        size = dist.get_world_size(group)
+        raise PeerError(
+            f"rank {dist.get_rank()}: {what} across the {size} ranks of the pipeline did not "
+            f"complete within {timeout:g}s (a rank died, hung or is too slow: raise "
+            f"Pipe(timeout=...)): {error}", -1
+        ) from error
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, timeout: float, what: str,
+               op: Any = dist.ReduceOp.SUM) -> None:
+    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, timeout)
+
+
+def all_gather(tensor: torch.Tensor, group: Any, timeout: float, what: str) -> list[torch.Tensor]:
+    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(rows, tensor, group=group, async_op=True), what, group, timeout)
+    return rows
+
+
+def barrier(group: Any, timeout: float, what: str) -> None:
+    _wait(dist.barrier(group=group, async_op=True), what, group, timeout)
+
+
+def gather_objects(value: Any, group: Any, timeout: float, what: str,
+                   device: torch.device | None = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), on every rank, in group-rank order."""
+    device = device or torch.device("cpu")
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    sizes = all_gather(torch.tensor([data.numel()], device=device), group, timeout, what)
+    longest = int(max(int(size) for size in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    rows = all_gather(padded, group, timeout, what)
+    return [pickle.loads(row[: int(size)].cpu().numpy().tobytes()) for row, size in zip(rows, sizes)]
+
+
+def broadcast_object(value: Any, source: int, group: Any, timeout: float, what: str,
+                     device: torch.device | None = None) -> Any:
+    """``value`` of group rank ``source``, on every rank (one gather: small objects only)."""
+    return gather_objects(value if dist.get_rank(group) == source else None, group, timeout,
+                          what, device)[source]

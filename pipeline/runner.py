@@ -1,0 +1,102 @@
+"""The Runner protocol (threads in one process, or one stage per rank) and what runners share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from schedules import CommPlan, Event, Schedule, Timeline, comm_plan, forward_only
+
+from pipeline.checkpoint import step_seed
+from pipeline.executor import StagePlan, StageResult
+from pipeline.memory import MemoryReport
+from pipeline.payload import differentiable, flatten
+from pipeline.stage import ChunkRunner
+
+
+class Runner(Protocol):
+    """Runs a Pipe's steps; ``Pipe`` talks to one of these and never asks which kind."""
+
+    memory: tuple[MemoryReport, ...]
+
+    def run_step(
+        self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
+    ) -> tuple[torch.Tensor, Timeline | None]:
+        """One training step; the batch loss (every rank) and the measured timeline."""
+
+    def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
+        """Forwards only; the last chunk's outputs by micro-batch (None off its rank)."""
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None: ...
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+
+    def close(self) -> None:
+        """Release communicators, threads' state and buffers."""
+
+
+class Plans:
+    """A schedule's comm plans, training and forward-only, and each stage's part of them."""
+
+    def __init__(self, schedule: Schedule, strategy: str = "overlap") -> None:
+        self.schedule = schedule
+        self.training: CommPlan = comm_plan(schedule, strategy)  # type: ignore[arg-type]
+        self.forward: CommPlan = comm_plan(forward_only(schedule))
+
+    def stage(self, stage: int, infer: bool) -> StagePlan:
+        return StagePlan.of(self.forward if infer else self.training, stage)
+
+
+@contextmanager
+def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule, split: bool) -> Iterator[None]:
+    """Around one step: every chunk starts it with this step's seed, commits what the step
+    deferred once it succeeded, and forgets everything the step kept, whatever happened."""
+    chunks = list(chunks)
+    seed = step_seed()
+    for chunk in chunks:
+        chunk.begin_step(seed, schedule.microbatches, split)
+    try:
+        yield
+        for chunk in chunks:
+            chunk.end_step()
+    finally:
+        for chunk in chunks:
+            chunk.begin_step(0, schedule.microbatches, False)
+
+
+def measured_timeline(schedule: Schedule, events: Sequence[Event], name: str) -> Timeline:
+    """The measured Timeline of a step, from every stage's events on one clock."""
+    return Timeline(
+        stages=schedule.stages,
+        events=tuple(events),
+        chunks_per_stage=tuple(len(c) for c in schedule.chunks_of_stage),
+        name=f"{schedule.name} ({name})",
+    )
+
+
+def propagate_input_grads(inputs: Sequence[Any] | None, results: Sequence[StageResult]) -> None:
+    """Carry the first chunk's input gradients back into the caller's ``x`` (``x.grad``).
+
+    ``inputs`` are the micro-batches as the first chunk received them: slices of ``x``
+    (moved to its device), still attached to ``x``'s graph.
+    """
+    found = {m: grads for r in results for m, grads in r.input_grads.items()}
+    if not found or inputs is None:
+        return
+    roots, grads = [], []
+    for microbatch, input_grads in found.items():
+        leaves = [t for t in flatten(inputs[microbatch]).leaves if differentiable(t)]
+        for leaf, grad in zip(leaves, input_grads):
+            if grad is not None and leaf.requires_grad:
+                roots.append(leaf)
+                grads.append(grad)
+    if roots:
+        torch.autograd.backward(roots, grads)
