@@ -61,7 +61,7 @@ def detach(value: Any) -> Any:
 
 
 def to_wire(payload: Any) -> tuple[int, list[torch.Tensor]]:
-    """``(kind, tensors)`` for the wire (see ``pipeline.wire``): a structured payload's
+    """``(kind, tensors)`` for the wire (see ``pipeline.transports.wire``): a structured payload's
     shape and non-tensor leaves travel pickled, as a last uint8 tensor."""
     if isinstance(payload, torch.Tensor):
         return 0, [payload]

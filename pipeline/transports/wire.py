@@ -1,4 +1,4 @@
-"""The wire format of DistTransport: one flat byte buffer per message.
+"""The wire format of the distributed transports: headers, and tensors packed into one buffer.
 
 A message is a small int64 header (status, origin rank, the payload's kind: one
 tensor, a tuple of tensors, or any other structure, whose shape and non-tensor

@@ -1,4 +1,4 @@
-"""The wire format of DistTransport (pipeline.wire): headers, and tensors packed into one message."""
+"""The wire format (pipeline.transports.wire): headers, and tensors packed into one message."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.payload import from_wire, to_wire
-from pipeline.wire import (
+from pipeline.transports.wire import (
     HEADER_BYTES,
     HEADER_SLOTS,
     MAX_DIMS,
