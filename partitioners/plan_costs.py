@@ -1,0 +1,225 @@
+"""A candidate plan's costs: per-chunk sums of layer costs as ``schedules.Costs``, and a bound.
+
+The planner prices every candidate (schedule, micro-batch count, cut,
+recomputation) with ``schedules.simulate``, so that one simulator is the model of
+both time and memory. This module turns per-layer measurements and a cut into
+the ``Costs`` that simulator reads, and gives a lower bound on the makespan that
+``simulate`` will predict, cheap enough to skip most candidates unsimulated.
+
+Memory, per chunk: ``fixed_bytes`` is ``(2 + optimizer_factor) x`` its parameter
+bytes (the parameters, their gradients and the optimizer's state);
+``activation_bytes`` is the ``saved_bytes`` of its layers (what a micro-batch's
+forward keeps for its backward); ``input_bytes`` is the activation it receives,
+the output of the layer before it: what a recomputed micro-batch keeps, and the
+payload of its hops. The first chunk's input is the caller's batch, already in
+memory whatever the pipeline does, so it counts 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from partitioners.cost import LayerCost, LossCost, Profile
+from schedules import Costs, Link
+
+Hop = float | Link
+"""The time of one hop between stages: seconds, or ``Link(latency, bandwidth)`` by payload."""
+
+
+@dataclass(frozen=True)
+class ChunkSums:
+    """Per model chunk of a cut, the sums of its layers' costs (the loss on the last chunk).
+
+    Attributes:
+        forward, backward, input_grad, weight_grad: seconds per micro-batch; a chunk
+            measured without a split backward gets half its backward for each half.
+        saved: bytes its forward keeps per micro-batch.
+        params: its parameter bytes.
+        inputs: bytes of the activation it receives (0 for the first chunk).
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    saved: tuple[int, ...]
+    params: tuple[int, ...]
+    inputs: tuple[int, ...]
+
+
+def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int]) -> ChunkSums:
+    """Sum ``costs`` over the chunks of the cut ``sizes`` (layers per chunk, in order).
+
+    A ``Profile``'s loss is charged to the last chunk: its forward after the last
+    layer's, its backward (an input gradient) before the last layer's.
+    """
+    loss = costs.loss if isinstance(costs, Profile) else None
+    ends = list(accumulate(sizes, initial=0))
+    fields: dict[str, list[float]] = {name: [] for name in ("F", "B", "I", "W")}
+    saved, params, inputs = [], [], []
+    for first, end in zip(ends, ends[1:]):
+        layers = costs[first:end]
+        forward = sum(cost.forward for cost in layers)
+        backward = sum(cost.backward for cost in layers)
+        input_grad = sum(cost.backward_input for cost in layers)
+        weight_grad = sum(cost.backward_weight for cost in layers)
+        if input_grad + weight_grad == 0:  # measured without a split backward
+            input_grad = weight_grad = backward / 2
+        for name, value in zip(fields, (forward, backward, input_grad, weight_grad)):
+            fields[name].append(value)
+        saved.append(sum(cost.saved_bytes for cost in layers))
+        params.append(sum(cost.param_bytes for cost in layers))
+        inputs.append(costs[first - 1].activation_bytes if first else 0)
+    if loss is not None:
+        _charge_loss(fields, loss)
+    return ChunkSums(
+        *(tuple(values) for values in fields.values()),  # type: ignore[arg-type]
+        saved=tuple(saved), params=tuple(params), inputs=tuple(inputs),
+    )
+
+
+def _charge_loss(fields: dict[str, list[float]], loss: LossCost) -> None:
+    fields["F"][-1] += loss.forward
+    fields["B"][-1] += loss.backward
+    fields["I"][-1] += loss.backward
+
+
+def microbatch_scale(batch: int, microbatches: int) -> tuple[float, ...]:
+    """Each micro-batch's rows over the largest one's, as ``torch.tensor_split`` splits.
+
+    The first ``batch % M`` micro-batches hold ``ceil(batch / M)`` rows, the rest
+    one row fewer; costs are measured at the largest. Empty when all are equal.
+
+    >>> microbatch_scale(10, 4)
+    (1.0, 1.0, 0.6666666666666666, 0.6666666666666666)
+    >>> microbatch_scale(8, 4)
+    ()
+    """
+    largest, extra = -(-batch // microbatches), batch % microbatches
+    if extra == 0:
+        return ()
+    return tuple(1.0 if m < extra else (largest - 1) / largest for m in range(microbatches))
+
+
+def candidate_costs(
+    sums: ChunkSums,
+    scale: Sequence[float],
+    checkpoint: str,
+    hop: Hop = 0.0,
+    optimizer_factor: float = 0.0,
+) -> Costs:
+    """The ``schedules.Costs`` of one candidate: its chunk sums, split, recomputation and hop."""
+    return Costs(
+        forward=sums.forward,
+        backward=sums.backward,
+        input_grad=sums.input_grad,
+        weight_grad=sums.weight_grad,
+        comm=hop,
+        microbatch_scale=tuple(scale),
+        recompute=checkpoint,  # type: ignore[arg-type]
+        activation_bytes=sums.saved,
+        input_bytes=sums.inputs,
+        fixed_bytes=tuple((2 + optimizer_factor) * p for p in sums.params),
+    )
+
+
+def makespan_lower_bound(
+    sums: ChunkSums,
+    placement: Sequence[int],
+    split_backward: bool,
+    scale: Sequence[float],
+    recomputed: Sequence[bool],
+    hop: Hop = 0.0,
+) -> float:
+    """A makespan no schedule of this placement can beat with these costs, without simulating.
+
+    No stage starts before the first micro-batch to reach it has crossed the
+    chunks before (forwards and hops, at the smallest micro-batch's size), and
+    then it runs all its own work. A split schedule may run ``B`` or ``I`` then
+    ``W``: each backward counts the cheaper. Every ``simulate`` makespan is at
+    least this (up to rounding).
+
+    Args:
+        sums: the chunks' costs.
+        placement: the stage of each chunk.
+        split_backward: whether the schedule may split backwards into I and W.
+        scale: one factor per micro-batch (see ``microbatch_scale``).
+        recomputed: one bool per micro-batch, whether its forward is run again.
+        hop: the hop model.
+    """
+    total_scale = sum(scale)
+    redo = sum(s for s, again in zip(scale, recomputed) if again)
+    smallest = min(scale)
+    busy = [0.0] * (max(placement) + 1)
+    for chunk, stage in enumerate(placement):
+        backward = sums.backward[chunk]
+        if split_backward:
+            backward = min(backward, sums.input_grad[chunk] + sums.weight_grad[chunk])
+        busy[stage] += (sums.forward[chunk] + backward) * total_scale + sums.forward[chunk] * redo
+    arrival = [0.0] * len(placement)
+    for chunk in range(1, len(placement)):
+        step = sums.forward[chunk - 1] * smallest
+        if placement[chunk - 1] != placement[chunk]:
+            step += _hop_time(hop, placement[chunk - 1], placement[chunk],
+                              sums.inputs[chunk] * smallest)
+        arrival[chunk] = arrival[chunk - 1] + step
+    first = [float("inf")] * len(busy)
+    for chunk, stage in enumerate(placement):
+        first[stage] = min(first[stage], arrival[chunk])
+    return max(start + work for start, work in zip(first, busy))
+
+
+def _hop_time(hop: Hop, source: int, destination: int, nbytes: float) -> float:
+    return hop(source, destination, nbytes) if callable(hop) else float(hop)
+
+
+def recomputed_flags(checkpoint: str, microbatches: int) -> tuple[bool, ...]:
+    """One bool per micro-batch: is its forward recomputed under ``checkpoint``."""
+    if checkpoint == "always":
+        return (True,) * microbatches
+    if checkpoint == "except_last":
+        return (True,) * (microbatches - 1) + (False,)
+    return (False,) * microbatches
+
+
+def linear_costs(costs: Sequence[LayerCost], rows: int) -> Callable[[int], list[LayerCost]]:
+    """Costs at any micro-batch size, scaled in proportion to rows from one measured at ``rows``.
+
+    A rough model (real layers are not linear in rows, least of all on a GPU:
+    measure the sizes a plan will run where you can); it suits tests,
+    benchmarks and a first look. Times and activation bytes scale, parameter
+    bytes do not; a Profile's loss scales with the rest.
+
+    Args:
+        costs: per-layer costs measured at ``rows`` rows per micro-batch.
+        rows: the micro-batch size they were measured at, >= 1.
+
+    Returns:
+        ``at(rows) -> Profile`` (ints rounded up).
+
+    Raises:
+        ValueError: ``rows`` < 1.
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    loss = costs.loss if isinstance(costs, Profile) else None
+
+    def at(size: int) -> Profile:
+        factor = size / rows
+        layers = [
+            LayerCost(
+                forward=cost.forward * factor, backward=cost.backward * factor,
+                param_bytes=cost.param_bytes,
+                activation_bytes=-(-cost.activation_bytes * size // rows),
+                saved_bytes=-(-cost.saved_bytes * size // rows), name=cost.name,
+                backward_input=cost.backward_input * factor,
+                backward_weight=cost.backward_weight * factor,
+            )
+            for cost in costs
+        ]
+        scaled = None if loss is None else LossCost(loss.forward * factor, loss.backward * factor)
+        return Profile(layers, loss=scaled, microbatch_size=size)
+
+    return at
