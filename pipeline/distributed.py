@@ -17,6 +17,7 @@ from torch import nn
 
 from schedules import Event, Schedule, Timeline
 
+from pipeline.calibration import calibrate_group
 from pipeline.collectives import all_gather, all_reduce, barrier, gather_objects
 from pipeline.executor import StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
@@ -238,6 +239,7 @@ class DistRunner:
             timeout,
         )
         self.clock_offset = clock_offset(group, timeout, device)
+        self.hops = calibrate_group(group, schedule, device, timeout)  # for Pipe.predict
         self.memory: tuple[MemoryReport, ...] = ()
         self._broken: str | None = None  # why this rank's group can no longer be used
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from schedules import Event, Schedule, Timeline
 
+from pipeline.calibration import calibrate_local
 from pipeline.context import CallerState
 from pipeline.executor import StageResult, StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
@@ -72,6 +73,7 @@ class LocalRunner:
             torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
         ]
         self.memory: tuple[MemoryReport, ...] = ()
+        self.hops = calibrate_local(self.devices, schedule, timeout)  # for Pipe.predict
 
     def _stage_chunks(self, stage: int) -> dict[int, ChunkRunner]:
         return {c: self.chunks[c] for c in self.schedule.chunks_of_stage[stage]}

@@ -329,6 +329,44 @@ class Pipe:
         self._timeline = timeline
         return loss
 
+    def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
+                ) -> Timeline:
+        """The training step ``step(x, target)`` would run, simulated before running it.
+
+        Each rank measures its own chunks as the runtime runs them (at the step's
+        largest micro-batch, in this checkpoint mode, on its device), hops cost what
+        the calibration at construction measured, and every rank gets the same
+        Timeline. Nothing trains: parameters, ``.grad``, optimizer state, buffers
+        (BatchNorm statistics) and the RNG state are as before. The makespan is
+        comparable with ``pipe.timeline.makespan`` after a ``step``; ``peak_bytes``
+        and ``memory`` hold each stage's predicted bytes (parameters, gradients,
+        the optimizer's state, receive buffers and the activations the schedule
+        holds). After a ``step`` the hop latency is refined from that step's measured
+        timeline (the delays its waiting stages saw). ``pipeline.predict.predict_step``
+        returns the costs beside the Timeline.
+
+        Args:
+            x: the batch, as for ``step`` (with a group: on the first chunk's rank).
+            target: the targets, as for ``step`` (with a group: on the last chunk's rank).
+            optimizer: counted for its state (e.g. Adam: two tensors per parameter).
+
+        Returns:
+            The predicted Timeline.
+
+        Raises:
+            ValueError: no loss_fn, or a batch ``step`` would reject.
+            PeerError: a rank failed or did not answer within the timeout.
+        """
+        from pipeline.predict import predict_step, split_batch
+
+        if self.loss_fn is None:
+            raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
+        inputs, targets = split_batch(x, target, self.chunks, self._group is None)
+        self._ensure_runner(x)
+        return predict_step(self._runner, inputs, targets, optimizer=optimizer,
+                            group=self._group, timeout=self.timeout,
+                            measured=self._timeline).timeline
+
     def __call__(self, x: Any) -> Any:
         """Forwards only; returns the merged output on the last device (on the last rank).
 

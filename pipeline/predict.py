@@ -1,0 +1,383 @@
+"""Predict a Pipe's training step before running it: measured chunk costs, simulated schedule.
+
+Every chunk is measured where and how it will run (``pipeline.probe``: its own
+layers as a unit, on its device, at the step's largest micro-batch, in the
+step's checkpoint mode, split into I and W when the schedule splits); each
+hop costs what the calibration at construction measured
+(``pipeline.calibration``: latency + bytes / bandwidth, bytes from the
+boundary's real payload); each action also pays the executor's own per-action
+cost (measured on an almost empty action). Across ranks every rank measures its
+own chunks and the costs are gathered, so every rank simulates the same
+``Costs`` and returns the same Timeline.
+
+Memory beside it, per stage: parameters, their gradients, the optimizer's
+state (when one is given), receive buffers, and the activations the schedule
+holds (each chunk's saved bytes per micro-batch in flight, or only its input
+for a recomputed one), as ``schedules.simulate`` traces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from schedules import Costs, Schedule, Timeline, simulate
+
+from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, refined
+from pipeline.microbatch import batch_size, split, to_device
+from pipeline.payload import map_tensors
+from pipeline.probe import ChunkCosts, probe_chunk
+from pipeline.stage import ChunkRunner
+
+
+@dataclass(frozen=True)
+class FixedBytes:
+    """What a stage holds throughout a step, beside activations.
+
+    Attributes:
+        parameters: bytes of its parameters (a parameter its chunks share counted once).
+        gradients: bytes of the gradients of those that require grad.
+        optimizer: bytes of the optimizer's state for them (0 without an optimizer).
+        buffers: receive buffers its transport keeps for incoming payloads.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.buffers
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step and what it was built from.
+
+    Attributes:
+        timeline: the simulated step (``memory`` and ``peak_bytes`` included).
+        costs: the ``schedules.Costs`` it was simulated with (seconds, bytes).
+        chunks: each chunk's measured costs, in chunk order.
+        fixed: per stage, the bytes held throughout.
+        overhead: per stage, the executor's seconds per action, added to each action.
+        hops: the calibrated hop model.
+    """
+
+    timeline: Timeline
+    costs: Costs
+    chunks: tuple[ChunkCosts, ...]
+    fixed: tuple[FixedBytes, ...]
+    overhead: tuple[float, ...]
+    hops: HopModel
+
+    @property
+    def peak_activation_bytes(self) -> tuple[float, ...]:
+        """Per stage, the most activation bytes held at once (peak bytes less fixed ones),
+        comparable with ``MemoryReport.peak_bytes`` of ``Pipe.memory``."""
+        peaks = self.timeline.peak_bytes or (0.0,) * len(self.fixed)
+        return tuple(peak - fixed.total for peak, fixed in zip(peaks, self.fixed))
+
+
+def split_batch(x: Any, target: Any, chunks: int, in_process: bool) -> tuple[Any, Any]:
+    """``x`` and ``target`` cut into micro-batches as ``Pipe.step`` cuts them.
+
+    Raises:
+        ValueError: in one process, x or target missing; micro-batch sizes that differ.
+    """
+    if in_process and (x is None or target is None):
+        missing = "x" if x is None else "target"
+        raise ValueError(f"predict() needs x and target in one process (only ranks of a group "
+                         f"may leave one out), got {missing}=None")
+    inputs = split(x, chunks) if x is not None else None
+    targets = split(target, chunks) if target is not None else None
+    if inputs is not None and targets is not None:
+        rows = [batch_size(p) for p in inputs], [batch_size(p) for p in targets]
+        if rows[0] != rows[1]:
+            raise ValueError(f"x and target must split into the same micro-batch sizes, got "
+                             f"{rows[0]} and {rows[1]}")
+    return inputs, targets
+
+
+def predict_step(
+    runner: Any,
+    inputs: list[Any] | None,
+    targets: list[Any] | None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    group: Any = None,
+    timeout: float = 60.0,
+    measured: Timeline | None = None,
+) -> Prediction:
+    """Measure this runner's chunks, gather every stage's costs and simulate the step.
+
+    Args:
+        runner: a ``LocalRunner`` or ``DistRunner`` (its ``chunks``, ``schedule``,
+            ``hops``, and with a group ``stage``, ``device`` and ``transport``).
+        inputs: the micro-batches of ``x`` (where the first chunk runs), else None.
+        targets: the micro-batches of the target (where the last chunk runs), else None.
+        optimizer: counted for its state (Adam: two tensors per parameter).
+        group: the pipeline's process group, or None in one process.
+        timeout: seconds any collective may wait.
+        measured: a measured Timeline of an earlier step of this runner (where there is
+            one: rank 0 with a group), to refine the hop latency from the delays its
+            waiting consumers saw (``calibration.measured_hop_delay``); None keeps the
+            latency of the ping-pong at construction.
+
+    Returns:
+        The Prediction, the same on every rank.
+
+    Raises:
+        ValueError: a rank lacks the input or the target its chunks need.
+        PeerError: a rank failed or did not answer within ``timeout``.
+    """
+    schedule: Schedule = runner.schedule
+    rows = _rows(inputs, targets, group, timeout, runner)
+    largest = max(range(len(rows)), key=lambda m: rows[m])
+    local, failure = _measure_chunks(runner, inputs, targets, largest, group, timeout)
+    overhead = action_overhead(_any_device(runner))
+    fixed_local = _fixed_bytes(runner, optimizer, local)
+    delay = None if measured is None else measured_hop_delay(schedule, measured)
+    if group is None:
+        chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
+    else:
+        chunks, overheads, fixed, delay = _gather(
+            runner, (local, overhead, fixed_local, failure, delay), group, timeout)
+    hops: HopModel = runner.hops
+    if delay is not None:
+        payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
+        hops = refined(hops, delay, sum(payloads) / max(len(payloads), 1))
+    costs = build_costs(schedule, chunks, overheads, fixed, hops, rows,
+                        runner.chunks[next(iter(runner.chunks))].options.checkpoint)
+    timeline = simulate(schedule, costs=costs)
+    return Prediction(timeline, costs, tuple(chunks[c] for c in range(schedule.chunks)),
+                      tuple(fixed[s] for s in range(schedule.stages)), overheads, hops)
+
+
+def build_costs(
+    schedule: Schedule,
+    measured: dict[int, ChunkCosts],
+    overhead: tuple[float, ...],
+    fixed: dict[int, FixedBytes],
+    hops: HopModel,
+    rows: list[int],
+    checkpoint: str,
+) -> Costs:
+    """The ``Costs`` of a step from measured chunks.
+
+    A recomputed micro-batch's forward keeps no graph and its B (or I) re-runs the
+    forward: ``Costs`` adds the chunk's F to those, so F is the recomputed forward
+    and B what remains of the measured recomputed backward. Each action also pays
+    its stage's executor overhead once.
+    """
+    recompute = checkpoint != "never"
+    forward, backward, input_grad, weight_grad = [], [], [], []
+    for c in range(schedule.chunks):
+        cost, extra = measured[c], overhead[schedule.placement[c]]
+        if recompute:
+            f = cost.recompute_forward + extra
+            forward.append(f)
+            backward.append(max(cost.recompute_backward + extra - f, 0.0))
+            input_grad.append(max(cost.recompute_input_grad + extra - f, 0.0))
+        else:
+            forward.append(cost.forward + extra)
+            backward.append(cost.backward + extra)
+            input_grad.append(cost.input_grad + extra)
+        weight_grad.append(cost.weight_grad + extra)
+    top = max(rows)
+    fixed_per_chunk = [0.0] * schedule.chunks
+    for stage, owned in enumerate(schedule.chunks_of_stage):
+        fixed_per_chunk[owned[0]] = float(fixed[stage].total)
+    return Costs(
+        forward=forward, backward=backward, input_grad=input_grad, weight_grad=weight_grad,
+        comm=hops, microbatch_scale=[r / top for r in rows],
+        recompute=checkpoint,  # type: ignore[arg-type]
+        activation_bytes=[float(measured[c].saved_bytes) for c in range(schedule.chunks)],
+        input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
+        fixed_bytes=fixed_per_chunk,
+    )
+
+
+# -- measuring this process's chunks ----------------------------------------------------------
+
+
+def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: Any, timeout: float,
+          runner: Any) -> list[int]:
+    """Rows of each micro-batch, known where x or the target is, shared with every rank."""
+    known = inputs if inputs is not None else targets
+    rows = None if known is None else [batch_size(part) for part in known]
+    if group is None:
+        assert rows is not None
+        return rows
+    from pipeline.collectives import gather_objects
+
+    everyone = gather_objects(rows, group, timeout, "sharing the micro-batch sizes",
+                              runner.device)
+    found = [r for r in everyone if r is not None]
+    if not found:
+        raise ValueError("predict() needs x on the rank of the first chunk and the target on "
+                         "the rank of the last chunk, got neither on any rank")
+    return found[0]
+
+
+def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | None,
+                    largest: int, group: Any, timeout: float
+                    ) -> tuple[dict[int, ChunkCosts], str | None]:
+    """Each local chunk's costs, its input the previous chunk's output for the largest
+    micro-batch (sent on from rank to rank where the placement crosses), and the first
+    failure on any rank so far (in one process a failure raises at once)."""
+    schedule: Schedule = runner.schedule
+    chunks: dict[int, ChunkRunner] = runner.chunks
+    split_backward = bool(schedule.split_backward)
+    recompute = chunks[next(iter(chunks))].options.checkpoint != "never"
+    measured: dict[int, ChunkCosts] = {}
+    carried: Any = None
+    failure: str | None = None
+    for c in range(schedule.chunks):
+        if c in chunks and failure is None:
+            try:
+                chunk = chunks[c]
+                source = _chunk_input(c, inputs, carried, largest)
+                target = None
+                if chunk.spec.is_last:
+                    if targets is None:
+                        raise ValueError(f"predict() needs the target on the rank of the last "
+                                         f"chunk (stage {schedule.placement[c]}), got None")
+                    target = to_device(targets[largest], chunk.device)
+                cost, carried = probe_chunk(chunk, to_device(source, chunk.device), target,
+                                            schedule.microbatches, split_backward, recompute)
+                measured[c] = cost
+            except Exception as error:  # shared below, so that no rank waits in vain
+                failure = f"{type(error).__name__}: {error}"
+                if group is None:
+                    raise
+        if group is not None and c + 1 < schedule.chunks \
+                and schedule.placement[c + 1] != schedule.placement[c]:
+            carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
+                                        group, timeout, runner.device)
+    return measured, failure
+
+
+def _chunk_input(chunk: int, inputs: list[Any] | None, carried: Any, largest: int) -> Any:
+    if chunk > 0:
+        return carried
+    if inputs is None:
+        raise ValueError("predict() needs x on the rank of the first chunk, got None")
+    return inputs[largest]
+
+
+def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: Any,
+             timeout: float, device: torch.device) -> tuple[Any, str | None]:
+    """The producing rank's output (on the CPU) and any failure so far, on every rank."""
+    from pipeline.collectives import gather_objects
+
+    value = (map_tensors(carried, lambda t: t.detach().cpu()) if mine and failure is None
+             else None, failure)
+    shared = gather_objects(value, group, timeout, "passing a chunk's output on for predict()",
+                            device)
+    failures = [f for _, f in shared if f is not None]
+    return shared[source][0], (failures[0] if failures else None)
+
+
+def _any_device(runner: Any) -> torch.device:
+    return runner.chunks[next(iter(runner.chunks))].device
+
+
+# -- bytes held throughout ------------------------------------------------------------------
+
+
+def _fixed_bytes(runner: Any, optimizer: torch.optim.Optimizer | None,
+                 measured: dict[int, ChunkCosts]) -> dict[int, FixedBytes]:
+    """Per local stage: parameters, gradients, optimizer state and receive buffers."""
+    schedule: Schedule = runner.schedule
+    by_stage: dict[int, list[ChunkRunner]] = {}
+    for index, chunk in runner.chunks.items():
+        by_stage.setdefault(schedule.placement[index], []).append(chunk)
+    found = {}
+    for stage, chunks in by_stage.items():
+        parameters = list(dict.fromkeys(p for c in chunks for p in c.layers.parameters()))
+        found[stage] = FixedBytes(
+            parameters=sum(_nbytes(p) for p in parameters),
+            gradients=sum(_nbytes(p) for p in parameters if p.requires_grad),
+            optimizer=optimizer_state_bytes(optimizer, parameters),
+            buffers=_receive_buffers(runner, stage, measured),
+        )
+    return found
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+_STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2,
+                        "Adagrad": 1, "Adadelta": 2, "RMSprop": 1, "SGD": 0}
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None,
+                          parameters: list[torch.Tensor]) -> int:
+    """Bytes of the optimizer's state for ``parameters`` once it has stepped.
+
+    The state it already holds is counted as it is; otherwise the usual state per
+    parameter of torch's optimizers: Adam-like two tensors (three with amsgrad),
+    RMSprop one (two centred, one more with momentum), SGD one with momentum.
+    """
+    if optimizer is None:
+        return 0
+    wanted = {id(p) for p in parameters}
+    total = 0
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if id(parameter) not in wanted or not parameter.requires_grad:
+                continue
+            state = optimizer.state.get(parameter)
+            if state:
+                total += sum(_nbytes(v) for v in state.values()
+                             if isinstance(v, torch.Tensor) and v.dim() > 0)
+                continue
+            copies = _STATE_PER_PARAMETER.get(type(optimizer).__name__, 0)
+            copies += int(bool(group.get("amsgrad"))) + int(bool(group.get("centered")))
+            copies += int(bool(group.get("momentum")))
+            total += copies * _nbytes(parameter)
+    return total
+
+
+def _receive_buffers(runner: Any, stage: int, measured: dict[int, ChunkCosts]) -> int:
+    """Receive buffers of the stage's transport: the receives it posts ahead (gloo), one per
+    posted receive under NCCL's rules, none between threads (payloads are handed over)."""
+    transport = getattr(runner, "transport", None)
+    if transport is None:
+        return 0
+    schedule: Schedule = runner.schedule
+    incoming = []
+    for c in schedule.chunks_of_stage[stage]:
+        if c in measured and c > 0 and schedule.placement[c - 1] != stage:
+            incoming.append(measured[c].input_bytes)  # activations in
+        if c in measured and c + 1 < schedule.chunks and schedule.placement[c + 1] != stage:
+            incoming.append(measured[c].output_bytes)  # gradients back, the output's size
+    ahead = int(getattr(transport, "lookahead", 1))
+    return ahead * max(incoming, default=0)
+
+
+def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
+            ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
+                       float | None]:
+    """Every rank's (costs, overhead, fixed bytes, failure, hop delay) on every rank: the
+    chunks' costs, the overheads by stage, the fixed bytes, the first hop delay measured;
+    a failure raises on all of them."""
+    from pipeline.collectives import gather_objects
+
+    everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
+                              "predict()", runner.device)
+    failures = [f"rank {rank}: {entry[3]}" for rank, entry in enumerate(everyone) if entry[3]]
+    if failures:
+        raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")
+    measured: dict[int, ChunkCosts] = {}
+    all_fixed: dict[int, FixedBytes] = {}
+    for costs, _, stage_fixed, _, _ in everyone:
+        measured.update(costs)
+        all_fixed.update(stage_fixed)
+    delays = [entry[4] for entry in everyone if entry[4] is not None]
+    return (measured, tuple(entry[1] for entry in everyone), all_fixed,
+            delays[0] if delays else None)

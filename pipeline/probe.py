@@ -1,0 +1,206 @@
+"""Measure one model chunk as the runtime runs it: F, B, I, W seconds and saved bytes.
+
+Why through a ``ChunkRunner`` and not layer by layer: the runtime runs a chunk's
+layers as a unit, with its saved-tensor hooks (the activation tracker), its
+per-layer RNG streams, its input copies and its stash, and a sum of per-layer
+timings misses all of that and the calls between layers. A probe is a second
+``ChunkRunner`` over the *same* layers (so the same parameters, on the same
+device), with its own tracker and checkpoint mode, run on one micro-batch of
+the size the step will run. What a training step would change is put back:
+parameter ``.grad`` (set aside, then restored), buffers such as BatchNorm's
+running statistics (copied, then written back), and the global RNG state
+(forked). Parameters are never written: no optimizer runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from pipeline.memory import ActivationTracker
+from pipeline.payload import differentiable, flatten
+from pipeline.stage import ChunkRunner
+
+WARMUP = 2
+REPEAT = 5
+
+
+@dataclass(frozen=True)
+class ChunkCosts:
+    """What one micro-batch costs on one chunk, as measured by ``probe_chunk``.
+
+    Attributes:
+        chunk: the chunk's index in the model.
+        forward: seconds of a forward that keeps its graph (the loss included on the
+            last chunk).
+        backward: seconds of the full backward B.
+        input_grad, weight_grad: seconds of the split backward's I and W (0 when the
+            schedule does not split).
+        recompute_forward: seconds of the forward of a recomputed micro-batch (no
+            graph kept); equal to ``forward`` with ``checkpoint="never"``.
+        recompute_backward, recompute_input_grad: seconds of B and I of a recomputed
+            micro-batch, its re-run forward included.
+        saved_bytes: bytes autograd keeps from one forward, as the runtime's tracker
+            counts them.
+        input_bytes: bytes of the chunk's input (a hop's payload, and what a
+            recomputed micro-batch keeps).
+        output_bytes: bytes of what the chunk sends on (0 for the last chunk).
+    """
+
+    chunk: int
+    forward: float
+    backward: float
+    input_grad: float
+    weight_grad: float
+    recompute_forward: float
+    recompute_backward: float
+    recompute_input_grad: float
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+
+
+def payload_bytes(payload: Any) -> int:
+    """Bytes of every tensor of a payload."""
+    return sum(t.numel() * t.element_size() for t in flatten(payload).tensors)
+
+
+def probe_chunk(
+    chunk: ChunkRunner,
+    inputs: Any,
+    target: Any,
+    microbatches: int,
+    split: bool,
+    recompute: bool,
+    warmup: int = WARMUP,
+    repeat: int = REPEAT,
+) -> tuple[ChunkCosts, Any]:
+    """Time ``chunk`` on one micro-batch, leaving the model as it was.
+
+    Args:
+        chunk: the runtime's runner of this chunk (its layers, device, options).
+        inputs: the micro-batch the chunk receives, on its device.
+        target: the micro-batch's target for the last chunk, else None.
+        microbatches: micro-batches per step (the runtime's per-step bookkeeping).
+        split: whether the schedule splits backwards into I and W (the runtime
+            then keeps every layer's output in the forward).
+        recompute: also time the forward and backward of a recomputed micro-batch.
+        warmup: untimed runs before the timed ones.
+        repeat: timed runs; medians are kept.
+
+    Returns:
+        The ChunkCosts and the chunk's output for this micro-batch (detached; the
+        loss for the last chunk).
+    """
+    with _untouched(chunk):
+        graph = _probe_runner(chunk, "never")
+        graph.begin_step(0, microbatches, split)
+        output, saved = _saved_by_forward(graph, inputs, target)
+        graph.begin_step(0, microbatches, split)
+        plain = _time_runs(graph, inputs, target, split, warmup, repeat)
+        again = plain
+        if recompute:
+            redo = _probe_runner(chunk, "always")
+            redo.begin_step(0, microbatches, split)
+            again = _time_runs(redo, inputs, target, split, warmup, repeat)
+            redo.begin_step(0, microbatches, False)
+        graph.begin_step(0, microbatches, False)
+    costs = ChunkCosts(
+        chunk=chunk.spec.index,
+        forward=plain["F"],
+        backward=plain["B"],
+        input_grad=plain.get("I", 0.0),
+        weight_grad=plain.get("W", 0.0),
+        recompute_forward=again["F"],
+        recompute_backward=again["B"],
+        recompute_input_grad=again.get("I", 0.0),
+        saved_bytes=saved,
+        input_bytes=payload_bytes(inputs),
+        output_bytes=0 if chunk.spec.is_last else payload_bytes(output),
+    )
+    return costs, output
+
+
+def _probe_runner(chunk: ChunkRunner, checkpoint: str) -> ChunkRunner:
+    """A runner over the chunk's own layers with another checkpoint mode and its own tracker."""
+    parameters = list(chunk.layers.parameters())
+    tracker = ActivationTracker(parameters, 1.0)
+    return ChunkRunner(chunk.spec, chunk.layers, chunk.device,
+                       replace(chunk.options, checkpoint=checkpoint),  # type: ignore[arg-type]
+                       tracker, chunk.rng_lock, chunk.grad_lock)
+
+
+def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any) -> tuple[Any, int]:
+    """One forward keeping its graph: its output and the bytes the tracker saw it save."""
+    tracker = runner.tracker
+    assert tracker is not None
+    tracker.reset_peaks()
+    before = tracker.report().peak_bytes
+    output = runner.forward(0, inputs, target, 1.0)
+    saved = tracker.report().peak_bytes - before
+    return output, saved
+
+
+def _ones_like_outputs(output: Any, is_last: bool) -> tuple[torch.Tensor, ...] | None:
+    if is_last:
+        return None
+    return tuple(torch.ones_like(t) for t in flatten(output).leaves if differentiable(t))
+
+
+def _time_runs(runner: ChunkRunner, inputs: Any, target: Any, split: bool, warmup: int,
+               repeat: int) -> dict[str, float]:
+    """Median seconds of F and B, and of I and W with ``split``, over ``repeat`` runs."""
+    device, is_last = runner.device, runner.spec.is_last
+    times: dict[str, list[float]] = {"F": [], "B": [], "I": [], "W": []}
+    for index in range(warmup + repeat):
+        keep = index >= warmup
+        microbatch = 2 * index + 1  # never 0: the first micro-batch of a step probes RNG use
+        output = _timed(device, times["F"] if keep else [],
+                        lambda: runner.forward(microbatch, inputs, target, 1.0))
+        grads = _ones_like_outputs(output, is_last)
+        _timed(device, times["B"] if keep else [], lambda: runner.backward(microbatch, grads))
+        if not split:
+            continue
+        runner.forward(microbatch + 1, inputs, target, 1.0)
+        _timed(device, times["I"] if keep else [],
+               lambda: runner.backward_input(microbatch + 1, grads))
+        _timed(device, times["W"] if keep else [],
+               lambda: runner.backward_weight(microbatch + 1))
+    return {op: statistics.median(values) for op, values in times.items() if values}
+
+
+def _timed(device: torch.device, into: list[float], work: Callable[[], Any]) -> Any:
+    from partitioners.timing import synchronize
+
+    synchronize(device)
+    start = time.perf_counter()
+    result = work()
+    synchronize(device)
+    into.append(time.perf_counter() - start)
+    return result
+
+
+@contextmanager
+def _untouched(chunk: ChunkRunner) -> Iterator[None]:
+    """Afterwards ``.grad``, buffers and the global RNG state are as before the body."""
+    parameters = list(dict.fromkeys(chunk.layers.parameters()))
+    grads = [p.grad for p in parameters]
+    buffers = [(b, b.detach().clone()) for b in chunk.layers.buffers()]
+    devices = [chunk.device] if chunk.device.type == "cuda" else []
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = grad
