@@ -407,3 +407,30 @@ def silent_peer(rank: int, world: int, seconds: float) -> Any:
     except PeerError as error:
         return outcome, str(error)
     return outcome, "the next step ran"
+
+
+def structured_payloads(rank: int, world: int, transport: str) -> Any:
+    """Dicts, lists, None, ints, bool and int tensors, complex tensors across ranks; x.grad."""
+    from models import structured_model
+
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    model = structured_model()
+    reference = structured_model()
+    reference.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=generator)
+    y = torch.randn(8, 2, dtype=torch.float64, generator=generator)
+    x_reference = x.clone().requires_grad_()
+    nn.MSELoss()(reference(x_reference), y).backward()
+    x.requires_grad_()
+    balance = [1, 2, 2, 1] if world == 4 else [1, 5]
+    pipe = Pipe(model, chunks=4, balance=balance, schedule="1f1b", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD, transport=transport)
+    loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    error, compared = grad_error(model, expected)
+    input_error = (x.grad - x_reference.grad).abs().max().item() if rank == 0 else 0.0
+    pipe.close()
+    return error, compared, input_error, loss.item()

@@ -143,6 +143,47 @@ def dropout_mlp(p: float = 0.3) -> nn.Sequential:
     ).to(DTYPE)
 
 
+class ToDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        hidden = self.linear(x)
+        mask = hidden > 0
+        return {"hidden": [hidden, torch.tanh(hidden)], "mask": mask, "scale": 3,
+                "note": None, "index": (x[:, 0] > 0).long()}
+
+
+class FromDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def forward(self, value: dict) -> torch.Tensor:
+        assert value["note"] is None and value["mask"].dtype == torch.bool
+        first, second = value["hidden"]
+        mixed = (first * value["mask"] + second) * (value["index"][:, None] + 1) / value["scale"]
+        return self.linear(mixed)
+
+
+class ToComplex(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.complex(x, x.flip(-1) * 0.5)
+
+
+class FromComplex(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return (z * z.conj().roll(1, -1)).real + z.abs()
+
+
+def structured_model() -> nn.Sequential:
+    """Stages that pass a dict of a list of tensors, a bool mask, an int tensor, an int and
+    None, then complex tensors: 6 layers, input FEATURES wide, output 2 wide."""
+    return nn.Sequential(ToDict(), FromDict(), nn.Linear(3, 6), ToComplex(), FromComplex(),
+                         nn.Linear(6, 2)).to(DTYPE)
+
+
 MODELS: dict[str, Callable[[], nn.Sequential]] = {
     "mlp": mlp,
     "small_cnn": small_cnn,

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    structured_payloads,
     silent_peer,
     clipping,
     data_parallel,
@@ -146,3 +149,13 @@ def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout() -> None:
     assert silent[0] == "PeerError", silent  # its peer gave up: it is told, not left waiting
     for message in (silent_next, waiting_next):
         assert "cannot be reused" in message and "build a new one" in message
+
+
+@pytest.mark.parametrize(("transport", "world"), [("gloo", 2), ("ordered", 4)])
+def test_structured_and_complex_payloads_and_input_gradients_across_ranks(
+        transport: str, world: int) -> None:
+    results = run_ranks(structured_payloads, world, transport)
+    for error, _, input_error, _ in results:
+        assert error < TOLERANCE and input_error < TOLERANCE
+    assert sum(compared for _, compared, _, _ in results) == 8  # every parameter, once
+    assert results[0][2] is not None

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from models import structured_model
+
 from pipeline import Pipe
 from schedules import Action, Op, Schedule, ScheduleError, one_f_one_b
 
@@ -220,46 +222,11 @@ def test_input_gradients_reach_x(schedule: str, checkpoint: str) -> None:
     assert torch.allclose(x.grad, x_reference.grad, atol=TOLERANCE, rtol=0)
 
 
-class ToDict(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 8)
-
-    def forward(self, x: torch.Tensor) -> dict:
-        hidden = self.linear(x)
-        mask = hidden > 0
-        return {"hidden": [hidden, torch.tanh(hidden)], "mask": mask, "scale": 3,
-                "note": None, "index": (x[:, 0] > 0).long()}
-
-
-class FromDict(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 3)
-
-    def forward(self, value: dict) -> torch.Tensor:
-        assert value["note"] is None and value["mask"].dtype == torch.bool
-        first, second = value["hidden"]
-        mixed = (first * value["mask"] + second) * (value["index"][:, None] + 1) / value["scale"]
-        return self.linear(mixed)
-
-
-class ToComplex(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.complex(x, x.flip(-1) * 0.5)
-
-
-class FromComplex(nn.Module):
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return (z * z.conj().roll(1, -1)).real + z.abs()
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", MODES)
 def test_structured_and_complex_payloads_between_stages(schedule: str, checkpoint: str) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(ToDict(), FromDict(), nn.Linear(3, 6), ToComplex(), FromComplex(),
-                          nn.Linear(6, 2)).double()
+    model = structured_model()
     reference = copy.deepcopy(model)
     x = torch.randn(8, 6, dtype=torch.float64)
     y = torch.randn(8, 2, dtype=torch.float64)
