@@ -84,7 +84,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from partitioners.memory import held_microbatches
     from partitioners.profile import profile
-    from partitioners.report import comparison_table, report, stage_table, to_data
+    from partitioners.report import (
+        calibrated_link,
+        comparison_table,
+        report,
+        stage_table,
+        to_data,
+    )
 
     if args.threads is not None:
         if args.threads < 1:
@@ -106,15 +112,19 @@ def _run(args: argparse.Namespace) -> int:
                    progress=False if args.no_progress else None)
     sizes = _usage(balance, costs, args.stages, by=args.by, memory_limit=memory_limit,
                    schedule=args.schedule, microbatches=args.chunks, bandwidth=bandwidth)
-    chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth)
+    link = calibrated_link(device)  # a hop measured here, in-process: a local copy
+    chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth, link=link)
     even_sizes = uniform(len(costs), args.stages)
-    even = report(costs, even_sizes, held, args.schedule, args.chunks, bandwidth)
+    even = report(costs, even_sizes, held, args.schedule, args.chunks, bandwidth, link=link)
     label = f"by {args.by}"
     print(f"{args.factory}: {len(costs)} layers, input {args.input_shape} {args.dtype}, "
           f"{args.stages} stages by {args.by}, {args.schedule} with {args.chunks} micro-batches\n")
     print(stage_table(chosen))
     print()
     print(comparison_table(chosen, even, label))
+    print(f"predicted step {chosen.step_time * 1e3:.3f} ms with a calibrated hop (a local copy "
+          f"on {device}, measured here: {link.latency * 1e6:.1f} us + bytes at "
+          f"{link.bandwidth / 1e9:.2f} GB/s)")
     if args.json:
         data = to_data(chosen)
         data["uniform"] = to_data(even)

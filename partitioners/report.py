@@ -8,7 +8,7 @@ from typing import Any
 
 from partitioners.cost import LayerCost, LossCost, Profile
 from partitioners.units import format_bytes
-from schedules import Timeline, get_schedule, simulate
+from schedules import Link, Timeline, get_schedule, simulate
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ def report(
     microbatches: int,
     bandwidth: float | None = None,
     loss: LossCost | None = None,
+    link: Link | None = None,
 ) -> CutReport:
     """Summarise the cut ``sizes`` of ``costs`` and simulate it under ``schedule``.
 
@@ -104,7 +105,9 @@ def report(
     ``balance``; in the simulation every cross-stage transfer takes the largest
     boundary activation's send time (a conservative single figure). The last
     stage also runs ``loss`` (None: the loss of a Profile measured with a
-    ``loss_fn``), its forward after the last layer's, its backward before.
+    ``loss_fn``), its forward after the last layer's, its backward before. With
+    ``link`` (e.g. ``calibrated_link``) every transfer also takes its latency plus the
+    largest boundary activation over its bandwidth.
     """
     if loss is None and isinstance(costs, Profile):
         loss = costs.loss
@@ -131,6 +134,8 @@ def report(
         )
         start += size
     comm = max(stage.send_time for stage in stages)
+    if link is not None:
+        comm += link(0, 1, max(stage.send_bytes for stage in stages))
     forward = [stage.forward for stage in stages]
     backward = [stage.backward for stage in stages]
     if loss is not None:
@@ -143,6 +148,40 @@ def report(
         comm=comm,
     )
     return CutReport(tuple(sizes), tuple(stages), timeline, schedule, microbatches)
+
+
+def calibrated_link(device: Any = "cpu", rounds: int = 9) -> Link:
+    """A hop measured in this process: a copy of 64 B and of 1 MiB on ``device``.
+
+    Between stages of one host a result crosses as a copy (threads) or through
+    loopback; this times the copy (``Tensor.clone``, synchronised on CUDA), the
+    fastest of ``rounds`` after one untimed (other load only slows a copy), and fits
+    ``latency + bytes / bandwidth``.
+
+    Returns:
+        ``Link`` with latency > 0 and a finite bandwidth.
+    """
+    import time
+
+    import torch
+
+    from partitioners.timing import synchronize
+
+    target = torch.device(device)
+    found = []
+    for nbytes in (64, 1 << 20):
+        source = torch.zeros(nbytes, dtype=torch.uint8, device=target)
+        times = []
+        for _ in range(rounds + 1):
+            synchronize(target)
+            start = time.perf_counter()
+            source.clone()
+            synchronize(target)
+            times.append(time.perf_counter() - start)
+        found.append(min(times[1:]))
+    slope = max(found[1] - found[0], ((1 << 20) - 64) / 1e13)
+    bandwidth = ((1 << 20) - 64) / slope
+    return Link(max(found[0] - 64 / bandwidth, 1e-9), bandwidth)
 
 
 def layer_types(types: Sequence[str], width: int = 30) -> str:
