@@ -3,9 +3,14 @@
 from partitioners.balance import balance, uniform
 from partitioners.cost import LayerCost, LossCost, Profile
 from partitioners.memory import held_microbatches, stage_memory
+from partitioners.plan import Candidate, Plan, plan, plan_for_model
 from partitioners.profile import profile
 
 __all__ = [
+    "Candidate",
+    "Plan",
+    "plan",
+    "plan_for_model",
     "LayerCost",
     "LossCost",
     "Profile",

@@ -2,6 +2,12 @@
 
     pipe-balance pkg.module:factory --input-shape 32,1024 --stages 4 [--by time]
         [--memory-limit 8GiB] [--chunks 8 --schedule 1f1b] [--json out.json] [--plot out.png]
+    pipe-balance pkg.module:factory --input-shape 256,1024 --stages 4 \
+        --schedule auto --chunks auto --memory-limit 2GiB [--top 10] [--json plan.json]
+
+With ``--schedule auto`` or ``--chunks auto`` it plans (``partitioners.plan``):
+``--input-shape`` is then the whole step's batch, profiled at each micro-batch
+size searched, and it prints the best candidates and the pick.
 
 Errors in what was asked (a module that does not import, a shape that does not
 parse, more stages than layers, a memory limit no cut meets, ...) print one line
@@ -46,10 +52,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="memory per stage, e.g. 8GiB, 512MB or 1e9")
     parser.add_argument("--bandwidth", metavar="BYTES",
                         help="bytes per second between stages, e.g. 10GB; adds send time to stages")
-    parser.add_argument("--chunks", type=int, default=8,
-                        help="micro-batches per step, for memory and prediction (default: 8)")
+    parser.add_argument("--chunks", type=_chunks, default=8,
+                        help="micro-batches per step, for memory and prediction (default: 8); "
+                             "auto: search them (then --input-shape is the whole batch)")
     parser.add_argument("--schedule", default="1f1b",
-                        help=f"schedule for memory and prediction: {', '.join(schedule_names())}")
+                        help=f"schedule for memory and prediction: {', '.join(schedule_names())}; "
+                             f"auto: search them all, with micro-batches, cut and recomputation")
+    parser.add_argument("--top", type=int, default=10,
+                        help="with auto: how many of the best candidates to print (default: 10)")
     parser.add_argument("--device", default="cpu", help="where to profile (default: cpu)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per layer (default: 1)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per layer (default: 3)")
@@ -75,10 +85,12 @@ def _run(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.input_shape)
     memory_limit = _size("--memory-limit", args.memory_limit)
     bandwidth = _size("--bandwidth", args.bandwidth)
-    if args.chunks < 1:
+    if args.chunks != "auto" and args.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
     if args.stages < 1:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
+    if "auto" in (args.chunks, args.schedule):
+        return _run_plan(args, shapes, memory_limit, bandwidth)
 
     import torch  # after the cheap checks: importing torch takes a while
 
@@ -132,6 +144,52 @@ def _run(args: argparse.Namespace) -> int:
         _write(args.json, lambda handle: json.dump(data, handle, indent=2))
     if args.plot:
         _plot(chosen, even, label, args.plot)
+    return 0
+
+
+def _chunks(text: str) -> int | str:
+    """``--chunks``: an int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or auto, got {text!r}") from None
+
+
+def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
+              bandwidth: float | None) -> int:
+    """``--schedule auto`` / ``--chunks auto``: search, print the best candidates, write JSON."""
+    import torch
+
+    from partitioners.plan import plan_for_model
+    from partitioners.plan_report import candidates_table, plan_data
+    from schedules import Link
+
+    if args.top < 1:
+        raise UsageError(f"--top must be >= 1, got {args.top}")
+    if args.plot:
+        raise UsageError("--plot draws one cut; with --schedule auto or --chunks auto, "
+                         "use --json and draw the candidates from it")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model = build_model(args.factory)
+    sample = make_sample(shapes, args.dtype)
+    chosen = _usage(
+        plan_for_model, model, sample, stages=args.stages, memory_limit=memory_limit,
+        hop=None if bandwidth is None else Link(0.0, bandwidth), devices=[args.device],
+        microbatch_counts=None if args.chunks == "auto" else [args.chunks],
+        schedules=None if args.schedule == "auto" else [args.schedule],
+        warmup=args.warmup, repeat=args.repeat)
+    print(f"{args.factory}: {len(model)} layers, batch {args.input_shape} {args.dtype}, "
+          f"{args.stages} stages; schedule {args.schedule}, micro-batches {args.chunks}\n")
+    print(candidates_table(chosen, args.top))
+    if args.json:
+        data = plan_data(chosen)
+        data["options"] = _options(args, memory_limit, bandwidth)
+        _write(args.json, lambda handle: json.dump(data, handle, indent=2))
     return 0
 
 

@@ -188,3 +188,74 @@ def test_in_place_and_tied_models_get_a_table(
         assert total.rstrip().endswith("7.31 KiB"), total  # 7488 bytes, the tied weight once
         assert unique == 7488
     assert torch.get_num_threads() == 1
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        status = main(args + ["--no-progress", "--threads", "1", "--repeat", "1", "--warmup", "0"])
+    except SystemExit as exit_:  # argparse's own errors
+        status = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_auto_prints_the_best_candidates_and_writes_them_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    out = tmp_path / "plan.json"
+    status, text, err = _main(["cli_factories:mlp", "--input-shape", "16,32", "--stages", "2",
+                               "--schedule", "auto", "--chunks", "auto", "--memory-limit", "512MiB",
+                               "--top", "3", "--json", str(out)], capsys)
+    assert status == 0, err
+    for word in ("schedule", "M", "balance", "checkpoint", "step ms", "bubble",
+                 "peak memory per stage", "pick: ", "memory limit 512.0 MiB"):
+        assert word in text
+    data = json.loads(out.read_text())
+    assert next(iter(data)) == "pick"
+    candidates = data["candidates"]
+    assert candidates[0] == data["pick"] and len(text.splitlines()) == 2 + 2 + 3 + 2
+    assert data["memory_limit"] == 512 * 2**20
+    assert all(c["fits"] and max(c["peak_memory_bytes"]) <= 512 * 2**20 for c in candidates)
+    steps = [c["step_time_ms"] for c in candidates]
+    assert steps == sorted(steps)
+    pick = data["pick"]
+    assert sum(pick["balance"]) == 12 and pick["checkpoint"] in ("never", "except_last", "always")
+    assert f"pick: {pick['schedule']}" in text
+
+
+def test_auto_chunks_with_a_fixed_schedule_and_the_reverse(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    out = tmp_path / "plan.json"
+    base = ["cli_factories:mlp", "--input-shape", "12,32", "--stages", "2", "--json", str(out)]
+    status, _, err = _main(base + ["--schedule", "1f1b", "--chunks", "auto",
+                                   "--memory-limit", "1e9"], capsys)
+    assert status == 0, err
+    chosen = json.loads(out.read_text())["candidates"]
+    assert {c["schedule"] for c in chosen} == {"1f1b"}
+    assert {c["microbatches"] for c in chosen} > {1}
+    status, _, err = _main(base + ["--schedule", "auto", "--chunks", "5"], capsys)
+    assert status == 0, err
+    chosen = json.loads(out.read_text())["candidates"]
+    assert {c["microbatches"] for c in chosen} == {5}  # 12 rows into 5: uneven, 3 3 2 2 2
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--memory-limit", "1KiB"], "the smallest limit that fits is"),
+    (["--memory-limit", "2GiBs"], "--memory-limit"),
+    (["--chunks", "lots"], "expected an int or auto, got 'lots'"),
+    (["--top", "0"], "--top must be >= 1, got 0"),
+    (["--plot", "x.png"], "--plot draws one cut"),
+    (["--chunks", "9"], "microbatch_counts: expected ints in 1..8"),
+])
+def test_auto_errors_exit_2_with_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    status, _, err = _main(["cli_factories:mlp", "--input-shape", "8,32", "--stages", "2",
+                            "--schedule", "auto", *args], capsys)
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1 and message in err, err
