@@ -434,3 +434,47 @@ def structured_payloads(rank: int, world: int, transport: str) -> Any:
     input_error = (x.grad - x_reference.grad).abs().max().item() if rank == 0 else 0.0
     pipe.close()
     return error, compared, input_error, loss.item()
+
+
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(11, 6)
+    head = nn.Linear(6, 11, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), head).double()
+
+
+def tied_weights(rank: int, world: int) -> Any:
+    """A head tied to the embedding on another rank: full gradient on both, clipping and the
+    gathered state count it once, and the state loads into the plain model."""
+    from pipeline import Pipe, gather_state_dict
+
+    def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 11, (8, 5), generator=generator)
+    targets = torch.randint(0, 11, (8, 5), generator=generator)
+    targets[2:4] = -100
+    reference = tied_model()
+    lm_loss(reference(tokens), targets).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1).item()
+    def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=-100,
+                                           reduction="sum")
+
+    model = tied_model()
+    pipe = Pipe(model, chunks=4, balance=[2, 3], schedule="zb-h1", loss_fn=summed,
+                loss_count=lambda target: (target != -100).sum(), group=dist.group.WORLD)
+    pipe.step(tokens if rank == 0 else None, targets if rank == 1 else None)
+    tied = model[0].weight if rank == 0 else model[4].weight
+    norm = pipe.clip_grad_norm_(0.1).item()
+    grad_error_tied = (tied.grad - reference[0].weight.grad).abs().max().item()
+    state = gather_state_dict(pipe)
+    loads = None
+    if rank == 0:
+        plain = tied_model()
+        plain.load_state_dict(state)
+        loads = sorted(k for k in state if k.endswith("weight"))
+    pipe.close()
+    return grad_error_tied, abs(norm - expected_norm), loads

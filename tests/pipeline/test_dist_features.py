@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    tied_weights,
     structured_payloads,
     silent_peer,
     clipping,
@@ -159,3 +159,11 @@ def test_structured_and_complex_payloads_and_input_gradients_across_ranks(
         assert error < TOLERANCE and input_error < TOLERANCE
     assert sum(compared for _, compared, _, _ in results) == 8  # every parameter, once
     assert results[0][2] is not None
+
+
+def test_a_weight_tied_across_ranks_is_summed_clipped_once_and_saved_under_both_keys() -> None:
+    results = run_ranks(tied_weights, 2)
+    for grad_error_tied, norm_error, _ in results:
+        assert grad_error_tied < TOLERANCE  # the full gradient on both ranks, after clipping too
+        assert norm_error < TOLERANCE
+    assert results[0][2] == ["0.weight", "1.weight", "3.weight", "4.weight"]
