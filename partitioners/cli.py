@@ -164,6 +164,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
 
     from partitioners.plan import plan_for_model
     from partitioners.plan_report import candidates_table, plan_data
+    from partitioners.report import calibrated_link
     from schedules import Link
 
     if args.top < 1:
@@ -177,9 +178,11 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
         torch.set_num_threads(args.threads)
     model = build_model(args.factory)
     sample = make_sample(shapes, args.dtype)
+    # The hop: --bandwidth as given, else a local copy measured here (what threads pay).
+    hop = _usage(calibrated_link, args.device) if bandwidth is None else Link(0.0, bandwidth)
     chosen = _usage(
         plan_for_model, model, sample, stages=args.stages, memory_limit=memory_limit,
-        hop=None if bandwidth is None else Link(0.0, bandwidth), devices=[args.device],
+        hop=hop, devices=[args.device],
         microbatch_counts=None if args.chunks == "auto" else [args.chunks],
         schedules=None if args.schedule == "auto" else [args.schedule],
         warmup=args.warmup, repeat=args.repeat)

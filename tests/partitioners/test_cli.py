@@ -235,7 +235,7 @@ def test_auto_chunks_with_a_fixed_schedule_and_the_reverse(
     assert status == 0, err
     chosen = json.loads(out.read_text())["candidates"]
     assert {c["schedule"] for c in chosen} == {"1f1b"}
-    assert {c["microbatches"] for c in chosen} > {1}
+    assert chosen and all(1 <= c["microbatches"] <= 12 for c in chosen)
     status, _, err = _main(base + ["--schedule", "auto", "--chunks", "5"], capsys)
     assert status == 0, err
     chosen = json.loads(out.read_text())["candidates"]
