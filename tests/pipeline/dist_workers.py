@@ -478,3 +478,36 @@ def tied_weights(rank: int, world: int) -> Any:
         loads = sorted(k for k in state if k.endswith("weight"))
     pipe.close()
     return grad_error_tied, abs(norm - expected_norm), loads
+
+
+def autocast_step(rank: int, world: int) -> Any:
+    """bf16 autocast around step and pipe(x) reaches the stage on every rank, the recomputed
+    forward included; gradients match the unpipelined model under the same autocast."""
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), target)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(reference(x), y).backward()
+    pipe = Pipe(model, chunks=2, balance=[2, 2], checkpoint="always", loss_fn=loss_fn,
+                group=dist.group.WORLD)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe.step(x if rank == 0 else None, y if rank == 1 else None)
+        with torch.no_grad():
+            out = pipe(x if rank == 0 else None)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    worst = 0.0
+    for name, parameter in model.named_parameters():
+        if parameter.grad is not None:
+            worst = max(worst, ((parameter.grad - expected[name]).abs().max()
+                                / expected[name].abs().max()).item())
+    pipe.close()
+    return (out.dtype if out is not None else None), worst

@@ -10,6 +10,7 @@ import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    autocast_step,
     tied_weights,
     structured_payloads,
     silent_peer,
@@ -167,3 +168,9 @@ def test_a_weight_tied_across_ranks_is_summed_clipped_once_and_saved_under_both_
         assert grad_error_tied < TOLERANCE  # the full gradient on both ranks, after clipping too
         assert norm_error < TOLERANCE
     assert results[0][2] == ["0.weight", "1.weight", "3.weight", "4.weight"]
+
+
+def test_autocast_around_step_and_forward_reaches_every_rank() -> None:
+    (first_dtype, first_error), (last_dtype, last_error) = run_ranks(autocast_step, 2)
+    assert first_dtype is None and last_dtype == torch.bfloat16
+    assert first_error < 5e-2 and last_error < 5e-2  # bf16 tolerance, relative to the largest
