@@ -220,7 +220,8 @@ class DistRunner:
         self.counted = [
             p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
         ]
-        self.tracker = ActivationTracker(self.parameters(), 1.0 / len(schedule.chunks_of_stage[self.stage]))
+        share = 1.0 / len(schedule.chunks_of_stage[self.stage])
+        self.tracker = ActivationTracker(self.parameters(), share) if options.track_memory else None
 
         def make_chunk(index: int, stage: int, first: int, layers: nn.Sequential,
                        chunk_device: torch.device) -> ChunkRunner:
@@ -299,7 +300,8 @@ class DistRunner:
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, Timeline | None]:
         schedule = self.schedule
-        self.tracker.reset_peaks()
+        if self.tracker is not None:
+            self.tracker.reset_peaks()
         step_inputs = StepInputs(
             inputs=None if inputs is None else [to_device(x, self.device) for x in inputs],
             targets=None if targets is None else [to_device(t, self.device) for t in targets],
@@ -309,7 +311,8 @@ class DistRunner:
         with step_of(self.chunks.values(), schedule, bool(schedule.split_backward)):
             result = self._run(self.training_plan, step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
-        self.memory = (self.tracker.report(),)
+        if self.tracker is not None:
+            self.memory = (self.tracker.report(),)
         loss, timeline = self._share_results(result.losses, result.events, origin)
         self._sum_shared_gradients()
         self._average_gradients(loss)

@@ -44,7 +44,7 @@ class LocalRunner:
         self.devices = list(devices)
         self.timeout = timeout
         self.trackers = [
-            ActivationTracker(
+            None if not options.track_memory else ActivationTracker(
                 (p for c in schedule.chunks_of_stage[s] for p in _chunk_params(model, balance, c)),
                 1.0 / len(schedule.chunks_of_stage[s]),
             )
@@ -117,7 +117,8 @@ class LocalRunner:
         schedule = self.schedule
         caller = replace(CallerState.capture(), grad_enabled=True)
         for tracker in self.trackers:
-            tracker.reset_peaks()
+            if tracker is not None:
+                tracker.reset_peaks()
         first_device = self.devices[schedule.placement[0]]
         last_device = self.devices[schedule.placement[-1]]
         step_inputs = StepInputs(
@@ -141,7 +142,8 @@ class LocalRunner:
             Event(e.stage, e.action, e.start - origin, e.end - origin)
             for r in results for e in r.events
         ]
-        self.memory = tuple(tracker.report() for tracker in self.trackers)
+        if self.trackers[0] is not None:
+            self.memory = tuple(t.report() for t in self.trackers if t is not None)
         return loss, measured_timeline(schedule, events, "measured")  # type: ignore[return-value]
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any]:

@@ -56,6 +56,8 @@ class Pipe:
             messages under gloo), ``"gloo"``, or ``"ordered"``: NCCL's rules on any
             backend (on gloo it also waits for every send, the worst case NCCL allows,
             so a run on CPUs checks what would hang on GPUs).
+        memory_report: measure the activation memory each stage holds (``pipe.memory``);
+            off by default, since it hooks every tensor autograd saves.
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
         group: a process group for one stage per rank (see ``pipeline.distributed``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
@@ -88,6 +90,7 @@ class Pipe:
         loss_count: Callable[[Any], Any] | None = None,
         deferred_batch_norm: bool = False,
         transport: str = "auto",
+        memory_report: bool = False,
     ) -> None:
         if group is not None:
             # First, before anything that could raise on some ranks and not others.
@@ -112,6 +115,7 @@ class Pipe:
             self.checkpoint,
             self._loss_rule.function if self._loss_rule is not None else None,
             bool(deferred_batch_norm),
+            bool(memory_report),
         )
         self.timeout = timeout
         self._closed = False
@@ -279,13 +283,21 @@ class Pipe:
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:
-        """Per local stage, the activation memory it held at most during the last step."""
+        """Per local stage, the activation memory it held at most during the last step.
+
+        Raises:
+            ValueError: the Pipe was built without ``memory_report=True``.
+        """
+        if not self._options.track_memory:
+            raise ValueError(
+                "pipe.memory needs the Pipe built with memory_report=True (activation memory "
+                "is measured only when asked for: it hooks every tensor autograd saves)"
+            )
         return self._runner.memory if self._runner is not None else ()
 
     # -- running --------------------------------------------------------------------------
 
-
-    def step(self, x: Any, target: Any) -> torch.Tensor:
+    def step(self, x: Any, target: Any, *, scaler: Any = None) -> torch.Tensor:
         """One training step: every forward and backward in the schedule's order.
 
         Gradients accumulate into the model's parameters, as ``backward()`` would.
@@ -294,9 +306,14 @@ class Pipe:
             x: the batch (a tensor, a tuple of tensors, or a list of pre-split
                 micro-batches). With a group, only the rank holding the first chunk reads it.
             target: the targets, split the same way; read where the last chunk runs.
+            scaler: a ``torch.amp.GradScaler``: the loss is scaled by its scale before the
+                backward, as ``scaler.scale(loss).backward()`` would; then call
+                ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. With a group,
+                an overflow on any rank is made visible on every rank, so that all of them
+                skip the same step.
 
         Returns:
-            The batch loss, detached (on every rank with a group).
+            The batch loss, detached and unscaled (on every rank with a group).
 
         Raises:
             ValueError: no loss_fn, or a batch with fewer rows than micro-batches.
@@ -325,9 +342,30 @@ class Pipe:
         self._ensure_runner(x)
         assert self._loss_rule is not None
         weights = self._loss_rule.weights(targets) if targets is not None else None
+        scale = 1.0
+        if scaler is not None and scaler.is_enabled():
+            scaler.scale(torch.zeros((), device=self._devices[-1]))  # its scale, on our device
+            scale = float(scaler.get_scale())
+        if weights is not None and scale != 1.0:
+            weights = [w * scale for w in weights]
         loss, timeline = self._runner.run_step(inputs, targets, weights)
         self._timeline = timeline
-        return loss
+        if scale != 1.0 and self._group is not None:
+            self._share_overflow()
+        return loss / scale if scale != 1.0 else loss
+
+    def _share_overflow(self) -> None:
+        """An inf or NaN gradient on one rank becomes one on every rank (GradScaler skips)."""
+        from pipeline.collectives import all_reduce
+        from pipeline.distributed import rank_device
+
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        found = any(not bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([float(found)], device=rank_device(self._group))
+        all_reduce(flag, self._group, self.timeout, "sharing a gradient overflow",
+                   torch.distributed.ReduceOp.MAX)
+        if float(flag) and not found and grads:
+            grads[0].view(-1)[0] = float("inf")
 
     def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
                 ) -> Timeline:

@@ -71,6 +71,7 @@ class ChunkOptions:
     checkpoint: CheckpointMode
     loss_fn: Callable[..., Any] | None
     deferred_batch_norm: bool = False
+    track_memory: bool = False  # count saved-tensor bytes (a hook per saved tensor: not free)
 
 
 class ChunkRunner:

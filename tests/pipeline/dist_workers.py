@@ -511,3 +511,22 @@ def autocast_step(rank: int, world: int) -> Any:
                                 / expected[name].abs().max()).item())
     pipe.close()
     return (out.dtype if out is not None else None), worst
+
+
+def scaler_overflow(rank: int, world: int) -> Any:
+    """Gradients overflow on rank 0 only; with the Pipe sharing it, both ranks skip the step."""
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    pipe = Pipe(model, chunks=2, balance=[1, 2], loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    x, y = torch.randn(4, 16) * 1e25, torch.randn(4, 4)
+    pipe.step(x if rank == 0 else None, y if rank == 1 else None, scaler=scaler)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
+    pipe.close()
+    return unchanged, scaler.get_scale()

@@ -10,6 +10,7 @@ import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    scaler_overflow,
     autocast_step,
     tied_weights,
     structured_payloads,
@@ -174,3 +175,9 @@ def test_autocast_around_step_and_forward_reaches_every_rank() -> None:
     (first_dtype, first_error), (last_dtype, last_error) = run_ranks(autocast_step, 2)
     assert first_dtype is None and last_dtype == torch.bfloat16
     assert first_error < 5e-2 and last_error < 5e-2  # bf16 tolerance, relative to the largest
+
+
+def test_a_gradient_overflow_on_one_rank_makes_every_rank_skip_the_step() -> None:
+    results = run_ranks(scaler_overflow, 2)
+    assert [unchanged for unchanged, _ in results] == [True, True]
+    assert results[0][1] == results[1][1] < 2.0**100

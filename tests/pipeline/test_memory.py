@@ -24,7 +24,7 @@ def step(schedule: str, checkpoint: str, stages: int, chunks: int, name: str = "
     model = build(name)
     x, target = batch(name, rows)
     pipe = Pipe(model, chunks, stages=stages, schedule=schedule, checkpoint=checkpoint,
-                loss_fn=nn.MSELoss())
+                loss_fn=nn.MSELoss(), memory_report=True)
     pipe.step(x, target)
     return pipe
 
@@ -113,7 +113,8 @@ def test_never_with_one_microbatch_saves_exactly_the_activations(stages: int) ->
     """The tracker counts what autograd saves, parameters (and views of them) excluded."""
     model = build("mlp")
     x, target = batch("mlp", 16)
-    pipe = Pipe(model, 1, stages=stages, checkpoint="never", loss_fn=nn.MSELoss())
+    pipe = Pipe(model, 1, stages=stages, checkpoint="never", loss_fn=nn.MSELoss(),
+                memory_report=True)
     pipe.step(x, target)
     expected = [full[0] for full, _ in stage_figures(pipe, x, target, 1)]
     assert [r.peak_bytes for r in pipe.memory] == expected
@@ -128,10 +129,10 @@ def test_always_holds_one_full_microbatch_plus_the_inputs_of_the_others(
     model = build(name)
     x, target = batch(name, 16)
     always = Pipe(model, chunks, stages=stages, schedule=schedule, checkpoint="always",
-                  loss_fn=nn.MSELoss())
+                  loss_fn=nn.MSELoss(), memory_report=True)
     always.step(x, target)
     never = Pipe(build(name), chunks, stages=stages, schedule=schedule, checkpoint="never",
-                 loss_fn=nn.MSELoss())
+                 loss_fn=nn.MSELoss(), memory_report=True)
     never.step(x, target)
     held = simulate(always.schedule).peak_activations
     # A micro-batch being recomputed holds all its activations and its input (which the
@@ -181,7 +182,8 @@ def test_no_activation_outlives_the_step(schedule: str, checkpoint: str) -> None
     model = nn.Sequential(*layers).double()
     x = torch.randn(8, 6, dtype=torch.float64)
     target = torch.randn(8, 6, dtype=torch.float64)
-    pipe = Pipe(model, 4, stages=2, schedule=schedule, checkpoint=checkpoint, loss_fn=nn.MSELoss())
+    pipe = Pipe(model, 4, stages=2, schedule=schedule, checkpoint=checkpoint, loss_fn=nn.MSELoss(),
+                memory_report=True)
     pipe.step(x, target)
     first = pipe.memory
     pipe.step(x, target)
@@ -189,3 +191,10 @@ def test_no_activation_outlives_the_step(schedule: str, checkpoint: str) -> None
     gc.collect()
     alive = sum(ref() is not None for r in recorders for ref in r.outputs)
     assert alive == 0, f"{alive} activations of {schedule} ({checkpoint}) outlive the step"
+
+
+def test_memory_is_measured_only_when_asked_for() -> None:
+    pipe = Pipe(build("mlp"), 2, stages=2, loss_fn=nn.MSELoss())
+    pipe.step(*batch("mlp", 4))
+    with pytest.raises(ValueError, match=r"memory_report=True"):
+        pipe.memory

@@ -276,3 +276,35 @@ def test_autocast_and_saved_tensor_hooks_reach_every_stage() -> None:
     assert torch.bfloat16 in packed, "saved-tensor hooks did not reach the stage threads"
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=2e-2, rtol=5e-2)
+
+
+def test_bf16_parameters_and_a_grad_scaler_end_to_end() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 4))
+    model = model.to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    y = torch.randn(8, 4, dtype=torch.bfloat16)
+    nn.MSELoss()(reference(x), y).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], schedule="zb-h1",
+                loss_fn=nn.MSELoss())
+    loss = pipe.step(x, y, scaler=scaler)
+    assert loss.dtype == torch.bfloat16 and abs(loss.item() - nn.MSELoss()(reference(x), y).item()) < 2e-2
+    scaler.unscale_(optimizer)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == torch.bfloat16
+        assert torch.allclose(p.grad.float(), q.grad.float(), atol=2e-2, rtol=5e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(optimizer)
+    scaler.update()
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    huge = torch.amp.GradScaler("cpu", init_scale=2.0**120)
+    pipe.step(x * 1e30, y, scaler=huge)  # gradients this large are not finite once scaled
+    huge.step(optimizer)  # skipped: the gradients are not finite
+    after = [p.detach().clone() for p in model.parameters()]
+    huge.update()
+    assert huge.get_scale() < 2.0**120
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters()))
