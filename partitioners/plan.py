@@ -352,6 +352,7 @@ def plan_for_model(
     optimizer_factor: float = 0.0,
     warmup: int = 1,
     repeat: int = 3,
+    prune: bool = True,
 ) -> Plan:
     """Profile ``model`` at each micro-batch size the search needs, then ``plan``.
 
@@ -371,6 +372,7 @@ def plan_for_model(
             optimizer_factor: as for ``plan``.
         devices: the stages' devices; profiling runs on the first (None: cpu).
         warmup, repeat: as for ``profile``.
+        prune: as for ``plan`` (False: every candidate simulated, e.g. to draw them all).
 
     Returns:
         The Plan; ``plan.pipe_options()`` are ``Pipe``'s keyword arguments for it.
@@ -397,4 +399,4 @@ def plan_for_model(
                        progress=False, microbatch_size=size, loss_fn=loss_fn, target=target)
 
     return plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
-                checkpoints, optimizer_factor=optimizer_factor)
+                checkpoints, optimizer_factor=optimizer_factor, prune=prune)
