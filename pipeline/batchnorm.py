@@ -44,10 +44,12 @@ def frozen_statistics(norms: list[nn.Module]) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():
-            for pairs in saved:
-                for buffer, value in pairs:
-                    buffer.copy_(value)
+        # Through ``.data``: the forward saved these buffers for its backward, and a tracked
+        # in-place write would make that backward refuse them (a training-mode backward
+        # does not read them, so the values it finds do not matter).
+        for pairs in saved:
+            for buffer, value in pairs:
+                buffer.data.copy_(value)
 
 
 class DeferredStatistics:

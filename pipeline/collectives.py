@@ -8,7 +8,10 @@ collective and the group's size in the error.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
+import types
 from datetime import timedelta
 from typing import Any
 
@@ -49,7 +52,7 @@ def gather_objects(value: Any, group: Any, timeout: float, what: str,
                    device: torch.device | None = None) -> list[Any]:
     """Every rank's ``value`` (picklable), on every rank, in group-rank order."""
     device = device or torch.device("cpu")
-    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+    data = torch.frombuffer(bytearray(_dumps(value)), dtype=torch.uint8).to(device)
     sizes = all_gather(torch.tensor([data.numel()], device=device), group, timeout, what)
     longest = int(max(int(size) for size in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
@@ -63,3 +66,18 @@ def broadcast_object(value: Any, source: int, group: Any, timeout: float, what: 
     """``value`` of group rank ``source``, on every rank (one gather: small objects only)."""
     return gather_objects(value if dist.get_rank(group) == source else None, group, timeout,
                           what, device)[source]
+
+
+def _dumps(value: Any) -> bytes:
+    """``pickle.dumps`` that also takes read-only mappings (frozen dataclasses hold them)."""
+    stream = io.BytesIO()
+    pickler = pickle.Pickler(stream)
+    pickler.dispatch_table = {**copyreg.dispatch_table,
+                              types.MappingProxyType: lambda m: (read_only, (dict(m),))}
+    pickler.dump(value)
+    return stream.getvalue()
+
+
+def read_only(mapping: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
+    """Rebuilds a read-only mapping on the receiving rank (see ``_dumps``)."""
+    return types.MappingProxyType(mapping)

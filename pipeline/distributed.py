@@ -22,7 +22,7 @@ from pipeline.collectives import all_gather, all_reduce, barrier, gather_objects
 from pipeline.executor import StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
-from pipeline.partition import build_chunks
+from pipeline.slicing import build_chunks
 from pipeline.shared import SharedParameter, shared_parameters, stages_using, unique
 from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec

@@ -19,7 +19,7 @@ from pipeline.context import CallerState
 from pipeline.executor import StageResult, StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
-from pipeline.partition import build_chunks
+from pipeline.slicing import build_chunks
 from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
 from pipeline.shared import chunk_layers, shared_parameters
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec

@@ -3,26 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from schedules import Schedule, Timeline
 
-from pipeline.checkpoint import CheckpointMode, check_mode
-from pipeline.memory import MemoryReport
+from pipeline.balancing import resolve_balance
+from pipeline.checkpoint import CHECKPOINT_MODES, CheckpointMode, check_mode
 from pipeline.loss import loss_rule
+from pipeline.memory import MemoryReport
 from pipeline.microbatch import batch_size, merge, split
-from pipeline.stage import ChunkOptions
-from pipeline.partition import (
+from pipeline.options import (
     build_schedule,
     check_model,
     check_positive,
     chunks_per_stage,
     default_devices,
-    resolve_balance,
 )
+from pipeline.stage import ChunkOptions
 
 
 class Pipe:
@@ -34,13 +34,18 @@ class Pipe:
     Args:
         model: an ``nn.Sequential``; its modules are moved to the stages' devices in place,
             so ``model.state_dict()`` keeps its keys and tensors.
-        chunks: micro-batches per step (torchgpipe's name for them).
+        chunks: micro-batches per step (torchgpipe's name for them), or ``"auto"``.
+            With ``chunks="auto"`` or ``schedule="auto"``, ``partitioners.plan_for_model``
+            profiles ``sample`` and picks the fastest predicted schedule, micro-batch
+            count, cut and checkpoint mode that fits ``memory_limit`` (rank 0 plans, every
+            rank runs its plan); ``pipe.plan`` holds the pick and every candidate.
         balance: layers per model chunk (stages x chunks-per-stage entries), or
             ``"time"`` / ``"params"`` / ``"uniform"``, or None for uniform.
         devices: one device per stage (one process only); default: CUDA devices
             round-robin, else the CPU.
         schedule: a name known to ``schedules.get_schedule`` or a ``Schedule``.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recomputation.
+        checkpoint: ``"always"``, ``"except_last"`` (the default) or ``"never"``
+            recomputation; ``"auto"`` (the default when planning) lets the plan choose.
         loss_fn: ``loss_fn(output, target)`` per micro-batch; needed by ``step``. The
             micro-batch losses add up to exactly the whole batch's loss (see
             ``pipeline.loss``): torch's loss modules are normalised by the batch's count
@@ -56,6 +61,7 @@ class Pipe:
             messages under gloo), ``"gloo"``, or ``"ordered"``: NCCL's rules on any
             backend (on gloo it also waits for every send, the worst case NCCL allows,
             so a run on CPUs checks what would hang on GPUs).
+        memory_limit: bytes per stage a plan must fit in (with ``"auto"``).
         memory_report: measure the activation memory each stage holds (``pipe.memory``);
             off by default, since it hooks every tensor autograd saves.
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
@@ -73,11 +79,11 @@ class Pipe:
     def __init__(
         self,
         model: nn.Sequential,
-        chunks: int,
+        chunks: int | Literal["auto"],
         balance: Sequence[int] | str | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
         schedule: str | Schedule = "1f1b",
-        checkpoint: CheckpointMode = "except_last",
+        checkpoint: CheckpointMode | Literal["auto"] | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         sample: Any = None,
         *,
@@ -91,6 +97,7 @@ class Pipe:
         deferred_batch_norm: bool = False,
         transport: str = "auto",
         memory_report: bool = False,
+        memory_limit: float | None = None,
     ) -> None:
         if group is not None:
             # First, before anything that could raise on some ranks and not others.
@@ -107,16 +114,6 @@ class Pipe:
                 schedule_options=schedule_options,
             )
         self.model = check_model(model)
-        self.chunks = check_positive("chunks", chunks)
-        self.checkpoint = check_mode(checkpoint)
-        self.loss_fn = loss_fn
-        self._loss_rule = loss_rule(loss_fn, loss_count)
-        self._options = ChunkOptions(
-            self.checkpoint,
-            self._loss_rule.function if self._loss_rule is not None else None,
-            bool(deferred_batch_norm),
-            bool(memory_report),
-        )
         self.timeout = timeout
         self._closed = False
         self._transport = transport
@@ -124,9 +121,9 @@ class Pipe:
         self._data_group = data_group
         self._init_fn = init_fn
         options = dict(schedule_options or {})
-        per_stage = chunks_per_stage(schedule, options)
+        planning = chunks == "auto" or schedule == "auto"
+        per_stage = 1 if planning else chunks_per_stage(schedule, options)  # type: ignore[arg-type]
         stage_count = self._stage_count(schedule, devices, balance, stages, per_stage)
-        self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
         if group is None:
             self._devices = self._resolve_devices(devices, stage_count)
         else:
@@ -135,6 +132,24 @@ class Pipe:
             from pipeline.distributed import rank_device
 
             self._devices = [rank_device(group)]
+        self._plan: Any = None
+        if planning:
+            self._plan = self._choose(chunks, schedule, checkpoint, stage_count, sample, loss_fn,
+                                      memory_limit)
+            picked = self._plan.pipe_options()
+            chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
+            checkpoint, options = picked["checkpoint"], picked["schedule_options"]
+        self.chunks = check_positive("chunks", chunks)
+        self.checkpoint = check_mode("except_last" if checkpoint is None else checkpoint)
+        self.loss_fn = loss_fn
+        self._loss_rule = loss_rule(loss_fn, loss_count)
+        self._options = ChunkOptions(
+            self.checkpoint,
+            self._loss_rule.function if self._loss_rule is not None else None,
+            bool(deferred_batch_norm),
+            bool(memory_report),
+        )
+        self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
         self._balance_request = balance
         self._balance = self._resolve_balance(sample)
         self._runner: Any = None
@@ -143,6 +158,57 @@ class Pipe:
             self._build_runner()
 
     # -- construction ---------------------------------------------------------------------
+
+    def _choose(self, chunks: Any, schedule: Any, checkpoint: Any, stages: int, sample: Any,
+                loss_fn: Any, memory_limit: float | None) -> Any:
+        """The plan for ``"auto"``: made on rank 0 (or here), the same on every rank."""
+        from partitioners import plan_for_model
+
+        if isinstance(schedule, Schedule):
+            raise ValueError("schedule='auto' or a name with chunks='auto', not a built Schedule")
+
+        def make() -> Any:
+            if sample is None:
+                raise ValueError(
+                    "chunks='auto' or schedule='auto' needs a batch to profile: pass sample=x "
+                    "(with a group: on rank 0, which plans for every rank)"
+                )
+            first = sample[0] if isinstance(sample, list) else sample
+            return plan_for_model(
+                self.model, first, stages=stages, memory_limit=memory_limit,
+                devices=self._devices[:1],
+                microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
+                schedules=None if schedule == "auto" else [schedule],
+                checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
+                else (check_mode(checkpoint),),
+            )
+
+        if self._group is None:
+            return make()
+        return self._on_rank_zero(make, "planning")
+
+    def _on_rank_zero(self, work: Callable[[], Any], what: str) -> Any:
+        """``work()`` run on rank 0 and its result (or its failure) on every rank."""
+        import torch.distributed as dist
+
+        from pipeline.collectives import broadcast_object
+        from pipeline.distributed import rank_device
+
+        decided: tuple[Any, str | None] = (None, None)
+        error: BaseException | None = None
+        if dist.get_rank(self._group) == 0:
+            try:
+                decided = (work(), None)
+            except Exception as failure:  # raised below, on every rank
+                error = failure
+                decided = (None, f"{type(failure).__name__}: {failure}")
+        decided = broadcast_object(decided, 0, self._group, self.timeout,
+                                   f"sharing rank 0's {what}", rank_device(self._group))
+        if error is not None:
+            raise error
+        if decided[1] is not None:
+            raise ValueError(f"rank 0 failed in {what}: {decided[1]}")
+        return decided[0]
 
     def _stage_count(
         self,
@@ -222,28 +288,8 @@ class Pipe:
 
         if self._group is None or not isinstance(self._balance_request, str):
             return resolve()
-        # Measured balances differ from rank to rank: the first rank's is everyone's. Its
-        # failure travels too, so that no rank waits for a balance that will never come.
-        import torch.distributed as dist
-
-        from pipeline.collectives import broadcast_object
-        from pipeline.distributed import rank_device
-
-        decided: tuple[Any, str | None] = (None, None)
-        error: BaseException | None = None
-        if dist.get_rank(self._group) == 0:
-            try:
-                decided = (resolve(), None)
-            except Exception as failure:  # raised below, on every rank
-                error = failure
-                decided = (None, f"{type(failure).__name__}: {failure}")
-        decided = broadcast_object(decided, 0, self._group, self.timeout,
-                                   "sharing rank 0's balance", rank_device(self._group))
-        if error is not None:
-            raise error
-        if decided[1] is not None:
-            raise ValueError(f"rank 0 could not resolve the balance: {decided[1]}")
-        return decided[0]
+        # Measured balances differ from rank to rank: the first rank's is everyone's.
+        return self._on_rank_zero(resolve, "balance")
 
     def _ensure_runner(self, sample: Any) -> None:
         if self._closed:
@@ -261,6 +307,11 @@ class Pipe:
     def schedule(self) -> Schedule:
         """The Schedule this Pipe runs."""
         return self._schedule
+
+    @property
+    def plan(self) -> Any:
+        """The ``partitioners.Plan`` picked for ``"auto"`` (None when nothing was planned)."""
+        return self._plan
 
     @property
     def balance(self) -> list[int] | None:

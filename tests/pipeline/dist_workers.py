@@ -530,3 +530,21 @@ def scaler_overflow(rank: int, world: int) -> Any:
     unchanged = all(torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
     pipe.close()
     return unchanged, scaler.get_scale()
+
+
+def auto_plan(rank: int, world: int) -> Any:
+    """Rank 0 plans; every rank runs the same pick, with exact gradients."""
+    from pipeline import Pipe
+
+    x, y = batch(rows=16)
+    _, reference = reference_grads(x, y)
+    model = deep_mlp()
+    pipe = Pipe(model, chunks="auto", schedule="auto", sample=x if rank == 0 else None,
+                loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    placement = pipe.schedule.placement
+    pipe.step(x if placement[0] == rank else None, y if placement[-1] == rank else None)
+    error, compared = grad_error(model, reference)
+    picked = (pipe.plan.schedule, pipe.plan.microbatches, tuple(pipe.plan.balance),
+              pipe.plan.checkpoint)
+    pipe.close()
+    return picked, error, compared

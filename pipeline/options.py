@@ -1,4 +1,4 @@
-"""Resolve a Pipe's stages, balance and devices, and cut the model into chunks."""
+"""A Pipe's arguments checked: the model, counts, the schedule and its chunks, balance, devices."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from partitioners import uniform
-from schedules import Schedule, get_schedule, validate
-from schedules.registry import schedule_info
+from schedules import Schedule, get_schedule, schedule_info, validate
 
 
 def check_model(model: Any) -> nn.Sequential:
@@ -92,79 +91,3 @@ def default_devices(stages: int) -> list[torch.device]:
         count = torch.cuda.device_count()
         return [torch.device("cuda", stage % count) for stage in range(stages)]
     return [torch.device("cpu")] * stages
-
-
-def slices(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
-    """Cut ``model`` into consecutive slices: (first layer index, layers sharing the modules)."""
-    found = []
-    first = 0
-    for count in balance:
-        found.append((first, nn.Sequential(*[model[i] for i in range(first, first + count)])))
-        first += count
-    return found
-
-
-def resolve_balance(
-    balance: Any,
-    model: nn.Sequential,
-    parts: int,
-    sample: Any,
-    schedule_name: str,
-    microbatches: int,
-) -> list[int] | None:
-    """A list of layers per chunk, or None when it must wait for a sample ("time", no sample)."""
-    if balance is None or balance == "uniform":
-        return uniform_balance(len(model), parts)
-    if isinstance(balance, str):
-        if balance not in ("time", "params"):
-            raise ValueError(
-                f"unknown balance {balance!r}; expected a list of layer counts, "
-                f"'time', 'params' or 'uniform'"
-            )
-        uniform_balance(len(model), parts)
-        if balance == "time" and sample is None:
-            return None
-        return profiled_balance(model, parts, balance, sample)
-    return check_balance(balance, len(model), parts)
-
-
-def profiled_balance(model: nn.Sequential, parts: int, by: str, sample: Any) -> list[int]:
-    """Balance by measured time or by parameter bytes, through the partitioners package."""
-    from partitioners import balance as balance_costs
-    from partitioners import profile
-
-    if by == "params":
-        weights = [
-            float(sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model
-        ]
-        return list(balance_costs(weights, parts, by="time"))
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    costs = profile(model, sample, device=str(device), progress=False)
-    return list(balance_costs(costs, parts, by="time"))
-
-
-def build_chunks(
-    model: nn.Sequential,
-    balance: Sequence[int],
-    schedule: Schedule,
-    devices: Sequence[torch.device],
-    stages: Sequence[int],
-    make_chunk: Any,
-) -> dict[int, Any]:
-    """Move each chunk of the listed stages onto its stage's device and wrap it.
-
-    Args:
-        model: the whole model; its modules are shared, not copied.
-        balance: layers per chunk (``schedule.chunks`` entries).
-        schedule: gives each chunk's stage (``placement``).
-        devices: one device per stage.
-        stages: the stages to build (all of them in one process, one per rank).
-        make_chunk: ``make_chunk(index, stage, first_layer, layers, device)`` -> chunk.
-    """
-    built = {}
-    for index, (first, layers) in enumerate(slices(model, balance)):
-        stage = schedule.placement[index]
-        if stage in stages:
-            layers.to(devices[stage])
-            built[index] = make_chunk(index, stage, first, layers, devices[stage])
-    return built

@@ -1,0 +1,63 @@
+"""Pipe(schedule="auto", chunks="auto"): the planner's pick, run with exact gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dist_harness import run_ranks
+from dist_workers import auto_plan
+from models import batch, build
+
+from pipeline import Pipe
+
+TOLERANCE = 1e-10
+
+
+def test_auto_runs_the_plans_pick_exactly() -> None:
+    model = build("mlp")
+    reference = copy.deepcopy(model)
+    x, y = batch("mlp", 16)
+    nn.MSELoss()(reference(x), y).backward()
+    pipe = Pipe(model, chunks="auto", schedule="auto", devices=["cpu", "cpu"], sample=x,
+                loss_fn=nn.MSELoss())
+    plan = pipe.plan
+    fastest = min(c.predicted.makespan for c in plan.candidates if c.fits)
+    assert plan.predicted.makespan == fastest
+    assert (pipe.schedule.name, pipe.chunks, pipe.balance, pipe.checkpoint) == (
+        plan.schedule, plan.microbatches, list(plan.balance), plan.checkpoint)
+    pipe.step(x, y)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=TOLERANCE, rtol=0)
+
+
+def test_auto_with_a_fixed_schedule_or_count_plans_the_rest() -> None:
+    x, _ = batch("mlp", 16)
+    pipe = Pipe(build("mlp"), chunks=4, schedule="auto", devices=["cpu", "cpu"], sample=x,
+                loss_fn=nn.MSELoss(), checkpoint="never")
+    assert pipe.chunks == 4 and pipe.checkpoint == "never"
+    assert {c.microbatches for c in pipe.plan.candidates} == {4}
+    pipe = Pipe(build("mlp"), chunks="auto", schedule="gpipe", devices=["cpu", "cpu"], sample=x,
+                loss_fn=nn.MSELoss())
+    assert {c.schedule for c in pipe.plan.candidates} == {"gpipe"}
+
+
+def test_auto_needs_a_sample_and_a_limit_that_something_fits() -> None:
+    with pytest.raises(ValueError, match=r"needs a batch to profile: pass sample=x"):
+        Pipe(build("mlp"), chunks="auto", schedule="auto", devices=["cpu", "cpu"],
+             loss_fn=nn.MSELoss())
+    x, _ = batch("mlp", 16)
+    with pytest.raises(ValueError, match=r"memory"):
+        Pipe(build("mlp"), chunks="auto", schedule="auto", devices=["cpu", "cpu"], sample=x,
+             loss_fn=nn.MSELoss(), memory_limit=1)
+
+
+def test_rank_zero_plans_and_every_rank_runs_the_same_pick() -> None:
+    results = run_ranks(auto_plan, 2)
+    assert results[0][0] == results[1][0]
+    for _, error, _ in results:
+        assert error < TOLERANCE
+    assert sum(compared for _, _, compared in results) == 16
