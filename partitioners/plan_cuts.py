@@ -21,8 +21,8 @@ from itertools import accumulate
 
 from partitioners.balance import balance
 from partitioners.cost import LayerCost, Profile
-from partitioners.feasibility import MemoryCap, Problem
-from partitioners.minmax import NoCutFits, smallest_memory_cap, solve
+from partitioners.feasibility import MemoryCap, Problem, cut_from, reachable
+from partitioners.minmax import NoCutFits, slowest_stage_bound, smallest_memory_cap
 
 
 def time_cut(costs: Sequence[LayerCost], chunks: int) -> tuple[int, ...]:
@@ -45,8 +45,10 @@ def memory_capped_cut(
         optimizer_factor: optimizer-state bytes per parameter byte.
 
     Returns:
-        Layers per stage; when no cut meets ``limit``, the fastest of those with
-        the least linear memory.
+        Layers per stage of a cut whose slowest stage is smallest (the first such
+        cut found; no tie-break on the second slowest, which ``balance`` does: the
+        simulator ranks plans); when no cut meets ``limit``, one of those with the
+        least linear memory.
     """
     ratios = [Fraction(h).limit_denominator(1000) for h in held]
     scale = math.lcm(*(ratio.denominator for ratio in ratios))
@@ -61,14 +63,23 @@ def memory_capped_cut(
     )
     problem = Problem(_time_prefix(costs), len(held), memory=cap)
     try:
-        return tuple(solve(problem))
+        return _fastest(problem)
     except NoCutFits:
         pass
     ends = list(accumulate(_even(len(costs), len(held)), initial=0))
     fits = max(cap.stage(ends[s], ends[s + 1], s) for s in range(len(held)))
     least = smallest_memory_cap(problem, fits)
-    return tuple(solve(Problem(problem.prefix, problem.stages,
-                               memory=MemoryCap(cap.fixed, cap.saved, cap.held, least))))
+    return _fastest(Problem(problem.prefix, problem.stages,
+                            memory=MemoryCap(cap.fixed, cap.saved, cap.held, least)))
+
+
+def _fastest(problem: Problem) -> tuple[int, ...]:
+    """A cut with the smallest slowest stage (no tie-break: the simulator ranks the rest)."""
+    best = slowest_stage_bound(problem)
+    sets = reachable(problem, best)
+    if sets is None:
+        raise RuntimeError(f"bound {best} was found feasible and is not: a bug")
+    return tuple(cut_from(problem, sets, best))
 
 
 def _even(layers: int, stages: int) -> list[int]:
