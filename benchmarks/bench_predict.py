@@ -176,12 +176,12 @@ def summary(rows: list[tuple[Any, ...]]) -> None:
         worst = max(range(len(rows)), key=lambda i: errors[i])
         within = sum(e <= BAR for e in errors)
         print(f"makespan {label:>7}: {within}/{len(rows)} cells within {BAR:.0%}, median "
-              f"|err| {statistics.median(errors):.1%}, worst {errors[worst]:+.1%} at "
+              f"|err| {statistics.median(errors):.1%}, worst {_error(rows[worst][index], rows[worst][1]):+.1%} at "
               f"{rows[worst][0]}")
     memory = [abs(_error(r[8], r[7])) for r in rows]
     worst = max(range(len(rows)), key=lambda i: memory[i])
     print(f"peak activation memory: {sum(e <= BAR for e in memory)}/{len(rows)} cells within "
-          f"{BAR:.0%}, worst {memory[worst]:+.1%} at {rows[worst][0]}")
+          f"{BAR:.0%}, worst {_error(rows[worst][8], rows[worst][7]):+.1%} at {rows[worst][0]}")
     failing = [r for r in rows if abs(_error(r[3], r[1])) > BAR]
     if failing:
         print(f"\nwhat the model misses where the refined makespan is off by more than "
