@@ -98,7 +98,7 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
     for model_name, schedule, microbatches in cells:
         model, x, target, loss_fn = build(model_name)
         pipe = Pipe(model, chunks=microbatches, schedule=schedule, loss_fn=loss_fn,
-                    group=dist.group.WORLD)
+                    group=dist.group.WORLD, memory_report=True)
         placement = pipe.schedule.placement
         mine_x = x if placement[0] == rank else None
         mine_y = target if placement[-1] == rank else None

@@ -99,14 +99,18 @@ def probe_chunk(
         loss for the last chunk).
     """
     with _untouched(chunk):
-        graph = _probe_runner(chunk, "never")
-        graph.begin_step(0, microbatches, split)
-        output, saved = _saved_by_forward(graph, inputs, target)
+        counting = _probe_runner(chunk, "never", tracked=True)
+        counting.begin_step(0, microbatches, split)
+        output, saved = _saved_by_forward(counting, inputs, target)
+        counting.begin_step(0, microbatches, False)
+        # Timed as the runtime runs: with the tracker's hooks only if the Pipe has them.
+        tracked = chunk.tracker is not None
+        graph = _probe_runner(chunk, "never", tracked)
         graph.begin_step(0, microbatches, split)
         plain = _time_runs(graph, inputs, target, split, warmup, repeat)
         again = plain
         if recompute:
-            redo = _probe_runner(chunk, "always")
+            redo = _probe_runner(chunk, "always", tracked)
             redo.begin_step(0, microbatches, split)
             again = _time_runs(redo, inputs, target, split, warmup, repeat)
             redo.begin_step(0, microbatches, False)
@@ -127,10 +131,11 @@ def probe_chunk(
     return costs, output
 
 
-def _probe_runner(chunk: ChunkRunner, checkpoint: str) -> ChunkRunner:
-    """A runner over the chunk's own layers with another checkpoint mode and its own tracker."""
+def _probe_runner(chunk: ChunkRunner, checkpoint: str, tracked: bool) -> ChunkRunner:
+    """A runner over the chunk's own layers with another checkpoint mode and, if ``tracked``,
+    its own activation tracker."""
     parameters = list(chunk.layers.parameters())
-    tracker = ActivationTracker(parameters, 1.0)
+    tracker = ActivationTracker(parameters, 1.0) if tracked else None
     return ChunkRunner(chunk.spec, chunk.layers, chunk.device,
                        replace(chunk.options, checkpoint=checkpoint),  # type: ignore[arg-type]
                        tracker, chunk.rng_lock, chunk.grad_lock)
