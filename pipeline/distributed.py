@@ -211,6 +211,15 @@ class DistRunner:
             id(p): schedule.placement[_chunk_of(self.shared[id(p)].owner, balance)]
             for p in unique(model.parameters()) if id(p) in self.shared
         }
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and self.synced:
+            names = ", ".join(self.shared[id(p)].name for p in unique(model.parameters())
+                              if id(p) in self.shared)
+            raise ValueError(
+                f"a model on the meta device with parameters shared across stages ({names}) is "
+                f"not supported yet: materialising each rank's layers would untie them; build "
+                f"the model on the CPU, or cut it so that the tied layers share a stage"
+            )
         _free_remote_layers(model, self.local_layers, self.shared)
         own = set(self.local_layers)
         for c in schedule.chunks_of_stage[self.stage]:

@@ -548,3 +548,15 @@ def auto_plan(rank: int, world: int) -> Any:
               pipe.plan.checkpoint)
     pipe.close()
     return picked, error, compared
+
+
+def tied_on_meta(rank: int, world: int) -> str:
+    from pipeline import Pipe
+
+    with torch.device("meta"):
+        model = tied_model()
+    try:
+        Pipe(model, chunks=2, balance=[2, 3], loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "accepted"

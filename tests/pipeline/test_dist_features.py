@@ -10,6 +10,7 @@ import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    tied_on_meta,
     scaler_overflow,
     autocast_step,
     tied_weights,
@@ -181,3 +182,8 @@ def test_a_gradient_overflow_on_one_rank_makes_every_rank_skip_the_step() -> Non
     results = run_ranks(scaler_overflow, 2)
     assert [unchanged for unchanged, _ in results] == [True, True]
     assert results[0][1] == results[1][1] < 2.0**100
+
+
+def test_tied_weights_on_the_meta_device_are_refused_not_untied() -> None:
+    for message in run_ranks(tied_on_meta, 2):
+        assert "meta device with parameters shared across stages (0.weight)" in message
