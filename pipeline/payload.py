@@ -69,7 +69,7 @@ def to_wire(payload: Any) -> tuple[int, list[torch.Tensor]]:
         return 1, list(payload)
     flat = flatten(payload)
     others = [(i, leaf) for i, leaf in enumerate(flat.leaves) if not isinstance(leaf, torch.Tensor)]
-    blob = pickle.dumps((flat.spec, others, len(flat.leaves)))
+    blob = pickle.dumps((pytree.treespec_dumps(flat.spec), others, len(flat.leaves)))
     structure = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     return 2, [*flat.tensors, structure]
 
@@ -84,7 +84,8 @@ def from_wire(kind: int, tensors: tuple[torch.Tensor, ...]) -> Any:
         return tensors[0]
     if kind == 1:
         return tensors
-    spec, others, count = pickle.loads(tensors[-1].cpu().numpy().tobytes())
+    spec_text, others, count = pickle.loads(tensors[-1].cpu().numpy().tobytes())
+    spec = pytree.treespec_loads(spec_text)
     leaves: list[Any] = [None] * count
     for index, leaf in others:
         leaves[index] = leaf
