@@ -17,7 +17,7 @@ from schedules.simulate import memory_traces
 from schedules.timeline import Event, Timeline
 from schedules.timeline import MemoryTrace
 from schedules.validate import validate
-from schedules.validate import validate_comm
+from schedules.comm_validate import validate_comm
 from schedules.comm import CommOp, CommPlan, Group, comm_plan
 from schedules.forward import forward_only
 from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
