@@ -34,7 +34,6 @@ import math
 import multiprocessing
 import os
 import queue as queue_module
-import socket
 import statistics
 import sys
 import threading

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-from torch import nn
 
 from dist_harness import run_ranks
 from dist_workers import equivalence

@@ -5,7 +5,7 @@ import doctest
 import pytest
 
 import schedules.dualpipe
-from schedules import Action, Op, dualpipe_v, get_schedule, simulate, validate
+from schedules import Op, dualpipe_v, get_schedule, simulate, validate
 
 GRID = [(p, m) for p in range(1, 9) for m in range(2 * p, 4 * p + 1)]
 
