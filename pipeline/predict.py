@@ -18,7 +18,7 @@ for a recomputed one), as ``schedules.simulate`` traces them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -122,9 +122,11 @@ def predict_step(
         group: the pipeline's process group, or None in one process.
         timeout: seconds any collective may wait.
         measured: a measured Timeline of an earlier step of this runner (where there is
-            one: rank 0 with a group), to refine the hop latency from the delays its
-            waiting consumers saw (``calibration.measured_hop_delay``); None keeps the
-            latency of the ping-pong at construction.
+            one: rank 0 with a group), to refine the prediction: the hop latency from the
+            delays its waiting consumers saw (``calibration.measured_hop_delay``), and each
+            stage's compute by the ratio of its measured busy time to the one predicted
+            (ranks computing at once on shared cores, or threads sharing the GIL, run
+            slower than a chunk timed alone). None keeps the probes' and the ping-pong's.
 
     Returns:
         The Prediction, the same on every rank.
@@ -140,11 +142,12 @@ def predict_step(
     overhead = action_overhead(_any_device(runner))
     fixed_local = _fixed_bytes(runner, optimizer, local)
     delay = None if measured is None else measured_hop_delay(schedule, measured)
+    busy = None if measured is None else measured.busy
     if group is None:
         chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
     else:
-        chunks, overheads, fixed, delay = _gather(
-            runner, (local, overhead, fixed_local, failure, delay), group, timeout)
+        chunks, overheads, fixed, delay, busy = _gather(
+            runner, (local, overhead, fixed_local, failure, delay, busy), group, timeout)
     hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
@@ -152,6 +155,10 @@ def predict_step(
     costs = build_costs(schedule, chunks, overheads, fixed, hops, rows,
                         runner.chunks[next(iter(runner.chunks))].options.checkpoint)
     timeline = simulate(schedule, costs=costs)
+    if busy is not None:
+        costs = slowed(costs, schedule, [b / p if p > 0 else 1.0
+                                         for b, p in zip(busy, timeline.busy)])
+        timeline = simulate(schedule, costs=costs)
     return Prediction(timeline, costs, tuple(chunks[c] for c in range(schedule.chunks)),
                       tuple(fixed[s] for s in range(schedule.stages)), overheads, hops)
 
@@ -198,6 +205,17 @@ def build_costs(
         input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
         fixed_bytes=fixed_per_chunk,
     )
+
+
+def slowed(costs: Costs, schedule: Schedule, factors: list[float]) -> Costs:
+    """``costs`` with each chunk's compute times multiplied by its stage's factor."""
+    factor = [factors[schedule.placement[c]] for c in range(schedule.chunks)]
+
+    def scale(values: Any) -> Any:
+        return [v * f for v, f in zip(values, factor)]
+
+    return replace(costs, forward=scale(costs.forward), backward=scale(costs.backward),
+                   input_grad=scale(costs.input_grad), weight_grad=scale(costs.weight_grad))
 
 
 # -- measuring this process's chunks ----------------------------------------------------------
@@ -362,10 +380,10 @@ def _receive_buffers(runner: Any, stage: int, measured: dict[int, ChunkCosts]) -
 
 def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
             ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
-                       float | None]:
-    """Every rank's (costs, overhead, fixed bytes, failure, hop delay) on every rank: the
-    chunks' costs, the overheads by stage, the fixed bytes, the first hop delay measured;
-    a failure raises on all of them."""
+                       float | None, tuple[float, ...] | None]:
+    """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time)
+    on every rank: the chunks' costs, the overheads by stage, the fixed bytes, the first
+    hop delay and busy times measured; a failure raises on all of them."""
     from pipeline.collectives import gather_objects
 
     everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
@@ -375,9 +393,10 @@ def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
         raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")
     measured: dict[int, ChunkCosts] = {}
     all_fixed: dict[int, FixedBytes] = {}
-    for costs, _, stage_fixed, _, _ in everyone:
+    for costs, _, stage_fixed, _, _, _ in everyone:
         measured.update(costs)
         all_fixed.update(stage_fixed)
     delays = [entry[4] for entry in everyone if entry[4] is not None]
+    busy = [entry[5] for entry in everyone if entry[5] is not None]
     return (measured, tuple(entry[1] for entry in everyone), all_fixed,
-            delays[0] if delays else None)
+            delays[0] if delays else None, busy[0] if busy else None)

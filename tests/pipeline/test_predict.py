@@ -182,3 +182,20 @@ def test_predict_agrees_on_every_rank_and_does_not_train(schedule: str) -> None:
 def test_a_missing_target_fails_on_every_rank() -> None:
     messages = run_ranks(predict_missing_target, 2)
     assert all("target" in message for message in messages), messages
+
+
+def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> None:
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    pipe = Pipe(model, chunks=4, balance=[2, 4], devices=["cpu", "cpu"],
+                loss_fn=torch.nn.MSELoss())
+    before = pipe.predict(x, y)
+    pipe.step(x, y)
+    measured = pipe.timeline
+    refined = pipe.predict(x, y)
+    for stage in range(2):
+        assert refined.busy[stage] == pytest.approx(measured.busy[stage], rel=1e-9)
+    assert refined.busy != before.busy
