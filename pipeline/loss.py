@@ -37,6 +37,11 @@ LossFn = Callable[..., Any]
 CountFn = Callable[[Any], Any]
 
 _INDEXED = (nn.CrossEntropyLoss, nn.NLLLoss)
+# Losses whose mean divides the sum by the target's element count (or rows, for a 1-D target).
+_ELEMENTWISE = (
+    nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+    nn.PoissonNLLLoss, nn.SoftMarginLoss, nn.HingeEmbeddingLoss, nn.KLDivLoss, nn.MultiMarginLoss,
+)
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,14 @@ def _module_rule(module: nn.modules.loss._Loss) -> LossRule:
     if isinstance(module, _INDEXED):
         return LossRule(summed, lambda targets: _inverse_total(
             [_indexed_count(module, t) for t in targets]))
-    return LossRule(summed, lambda targets: _inverse_total([_elements(t) for t in targets]))
+    if isinstance(module, _ELEMENTWISE):
+        return LossRule(summed, lambda targets: _inverse_total([_elements(t) for t in targets]))
+    raise ValueError(
+        f"{type(module).__name__}(reduction='mean') divides by a count Pipe cannot derive from "
+        f"the targets alone, so micro-batch means would not add up to the batch's; pass "
+        f"{type(module).__name__}(reduction='sum') with loss_count=lambda target: <what the "
+        f"mean divides by for that micro-batch>"
+    )
 
 
 def _indexed_count(module: nn.Module, target: torch.Tensor) -> float:

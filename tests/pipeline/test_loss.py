@@ -131,3 +131,10 @@ def test_reduction_none_and_bad_loss_count_are_refused() -> None:
     with pytest.raises(TypeError, match=r"loss_count must be callable, got int"):
         Pipe(_classifier(), chunks=2, balance=[2, 1], devices=["cpu", "cpu"],
              loss_fn=nn.MSELoss(), loss_count=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("loss_fn", [nn.CTCLoss(), nn.MultiLabelSoftMarginLoss(),
+                                     nn.MultiLabelMarginLoss()])
+def test_a_mean_that_the_targets_cannot_count_is_refused_with_the_fix(loss_fn: nn.Module) -> None:
+    with pytest.raises(ValueError, match=r"reduction='sum'\) with loss_count="):
+        Pipe(_classifier(), chunks=2, balance=[2, 1], devices=["cpu", "cpu"], loss_fn=loss_fn)
