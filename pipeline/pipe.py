@@ -11,7 +11,8 @@ from torch import nn
 from schedules import Schedule, Timeline
 
 from pipeline.balancing import resolve_balance
-from pipeline.checkpoint import CHECKPOINT_MODES, CheckpointMode, check_mode
+from pipeline.checkpoint import CheckpointMode, check_mode
+from pipeline.coordination import choose_plan, on_rank_zero, share_overflow
 from pipeline.loss import loss_rule
 from pipeline.memory import MemoryReport
 from pipeline.microbatch import batch_size, merge, split
@@ -124,18 +125,11 @@ class Pipe:
         planning = chunks == "auto" or schedule == "auto"
         per_stage = 1 if planning else chunks_per_stage(schedule, options)  # type: ignore[arg-type]
         stage_count = self._stage_count(schedule, devices, balance, stages, per_stage)
-        if group is None:
-            self._devices = self._resolve_devices(devices, stage_count)
-        else:
-            if devices is not None:
-                raise ValueError("with group=..., each rank picks its own device; pass devices=None")
-            from pipeline.distributed import rank_device
-
-            self._devices = [rank_device(group)]
+        self._devices = self._resolve_devices(devices, stage_count)
         self._plan: Any = None
         if planning:
-            self._plan = self._choose(chunks, schedule, checkpoint, stage_count, sample, loss_fn,
-                                      memory_limit)
+            self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count, sample,
+                                     self._devices, memory_limit, group, timeout)
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]
@@ -158,57 +152,6 @@ class Pipe:
             self._build_runner()
 
     # -- construction ---------------------------------------------------------------------
-
-    def _choose(self, chunks: Any, schedule: Any, checkpoint: Any, stages: int, sample: Any,
-                loss_fn: Any, memory_limit: float | None) -> Any:
-        """The plan for ``"auto"``: made on rank 0 (or here), the same on every rank."""
-        from partitioners import plan_for_model
-
-        if isinstance(schedule, Schedule):
-            raise ValueError("schedule='auto' or a name with chunks='auto', not a built Schedule")
-
-        def make() -> Any:
-            if sample is None:
-                raise ValueError(
-                    "chunks='auto' or schedule='auto' needs a batch to profile: pass sample=x "
-                    "(with a group: on rank 0, which plans for every rank)"
-                )
-            first = sample[0] if isinstance(sample, list) else sample
-            return plan_for_model(
-                self.model, first, stages=stages, memory_limit=memory_limit,
-                devices=self._devices[:1],
-                microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
-                schedules=None if schedule == "auto" else [schedule],
-                checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
-                else (check_mode(checkpoint),),
-            )
-
-        if self._group is None:
-            return make()
-        return self._on_rank_zero(make, "planning")
-
-    def _on_rank_zero(self, work: Callable[[], Any], what: str) -> Any:
-        """``work()`` run on rank 0 and its result (or its failure) on every rank."""
-        import torch.distributed as dist
-
-        from pipeline.collectives import broadcast_object
-        from pipeline.distributed import rank_device
-
-        decided: tuple[Any, str | None] = (None, None)
-        error: BaseException | None = None
-        if dist.get_rank(self._group) == 0:
-            try:
-                decided = (work(), None)
-            except Exception as failure:  # raised below, on every rank
-                error = failure
-                decided = (None, f"{type(failure).__name__}: {failure}")
-        decided = broadcast_object(decided, 0, self._group, self.timeout,
-                                   f"sharing rank 0's {what}", rank_device(self._group))
-        if error is not None:
-            raise error
-        if decided[1] is not None:
-            raise ValueError(f"rank 0 failed in {what}: {decided[1]}")
-        return decided[0]
 
     def _stage_count(
         self,
@@ -252,8 +195,13 @@ class Pipe:
         self._stage_source = f"{count} stages from {source} x {per_stage} chunks per stage"
         return values.pop()
 
-    @staticmethod
-    def _resolve_devices(devices: Sequence[Any] | None, stages: int) -> list[torch.device]:
+    def _resolve_devices(self, devices: Sequence[Any] | None, stages: int) -> list[torch.device]:
+        if self._group is not None:
+            if devices is not None:
+                raise ValueError("with group=..., each rank picks its own device; pass devices=None")
+            from pipeline.distributed import rank_device
+
+            return [rank_device(self._group)]
         if devices is None:
             return default_devices(stages)
         return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
@@ -289,7 +237,7 @@ class Pipe:
         if self._group is None or not isinstance(self._balance_request, str):
             return resolve()
         # Measured balances differ from rank to rank: the first rank's is everyone's.
-        return self._on_rank_zero(resolve, "balance")
+        return on_rank_zero(resolve, self._group, self.timeout, "balance")
 
     def _ensure_runner(self, sample: Any) -> None:
         if self._closed:
@@ -402,21 +350,8 @@ class Pipe:
         loss, timeline = self._runner.run_step(inputs, targets, weights)
         self._timeline = timeline
         if scale != 1.0 and self._group is not None:
-            self._share_overflow()
+            share_overflow(self.parameters(), self._group, self.timeout)
         return loss / scale if scale != 1.0 else loss
-
-    def _share_overflow(self) -> None:
-        """An inf or NaN gradient on one rank becomes one on every rank (GradScaler skips)."""
-        from pipeline.collectives import all_reduce
-        from pipeline.distributed import rank_device
-
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        found = any(not bool(torch.isfinite(g).all()) for g in grads)
-        flag = torch.tensor([float(found)], device=rank_device(self._group))
-        all_reduce(flag, self._group, self.timeout, "sharing a gradient overflow",
-                   torch.distributed.ReduceOp.MAX)
-        if float(flag) and not found and grads:
-            grads[0].view(-1)[0] = float("inf")
 
     def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
                 ) -> Timeline:

@@ -1,0 +1,86 @@
+"""What a Pipe's ranks decide together: rank 0's plan or balance for all, a shared overflow.
+
+In one process (``group=None``) each helper simply does the work here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint import CHECKPOINT_MODES, check_mode
+from pipeline.collectives import all_reduce, broadcast_object
+from pipeline.options import check_positive
+
+
+def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str) -> Any:
+    """``work()`` run on rank 0 of ``group`` (or here, without one), its result on every rank.
+
+    Rank 0's failure reaches every rank, so that no rank waits for a result that will
+    never come: rank 0 raises its own error, the others a ValueError naming it.
+    """
+    if group is None:
+        return work()
+    from pipeline.distributed import rank_device
+
+    decided: tuple[Any, str | None] = (None, None)
+    error: BaseException | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            decided = (work(), None)
+        except Exception as failure:  # raised below, on every rank
+            error = failure
+            decided = (None, f"{type(failure).__name__}: {failure}")
+    decided = broadcast_object(decided, 0, group, timeout, f"sharing rank 0's {what}",
+                               rank_device(group))
+    if error is not None:
+        raise error
+    if decided[1] is not None:
+        raise ValueError(f"rank 0 failed in {what}: {decided[1]}")
+    return decided[0]
+
+
+def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
+                sample: Any, devices: Sequence[torch.device], memory_limit: float | None,
+                group: Any, timeout: float) -> Any:
+    """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
+    rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept."""
+    from partitioners import plan_for_model
+
+    if not isinstance(schedule, str):
+        raise ValueError(
+            f"schedule='auto' or a name with chunks='auto', got a {type(schedule).__name__}"
+        )
+
+    def make() -> Any:
+        if sample is None:
+            raise ValueError(
+                "chunks='auto' or schedule='auto' needs a batch to profile: pass sample=x "
+                "(with a group: on rank 0, which plans for every rank)"
+            )
+        first = sample[0] if isinstance(sample, list) else sample
+        return plan_for_model(
+            model, first, stages=stages, memory_limit=memory_limit, devices=list(devices)[:1],
+            microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
+            schedules=None if schedule == "auto" else [schedule],
+            checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
+            else (check_mode(checkpoint),),
+        )
+
+    return on_rank_zero(make, group, timeout, "planning")
+
+
+def share_overflow(parameters: Iterable[torch.nn.Parameter], group: Any, timeout: float) -> None:
+    """An inf or NaN gradient on one rank becomes one on every rank, so that a GradScaler
+    skips the same step everywhere."""
+    from pipeline.distributed import rank_device
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    found = any(not bool(torch.isfinite(g).all()) for g in grads)
+    flag = torch.tensor([float(found)], device=rank_device(group))
+    all_reduce(flag, group, timeout, "sharing a gradient overflow", dist.ReduceOp.MAX)
+    if float(flag) and not found and grads:
+        grads[0].view(-1)[0] = float("inf")
