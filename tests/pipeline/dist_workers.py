@@ -560,3 +560,17 @@ def tied_on_meta(rank: int, world: int) -> str:
     except ValueError as error:
         return str(error)
     return "accepted"
+
+
+def failed_profile_on_rank_zero(rank: int, world: int) -> Any:
+    """balance="time": rank 0 profiles for everyone; its failure must reach every rank at once."""
+    from pipeline import Pipe
+
+    started = time.monotonic()
+    wrong_width = torch.randn(8, 7)  # deep_mlp takes 6 features
+    try:
+        Pipe(deep_mlp(), chunks=2, balance="time", sample=wrong_width if rank == 0 else None,
+             loss_fn=nn.MSELoss(), group=dist.group.WORLD, timeout=20.0)
+    except Exception as error:  # noqa: BLE001 - the test reads the type and text
+        return type(error).__name__, str(error)[:200], time.monotonic() - started
+    return "built", "", time.monotonic() - started

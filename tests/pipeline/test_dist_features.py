@@ -10,6 +10,7 @@ import torch
 
 from dist_harness import run_ranks, run_ranks_raw
 from dist_workers import (
+    failed_profile_on_rank_zero,
     tied_on_meta,
     scaler_overflow,
     autocast_step,
@@ -187,3 +188,10 @@ def test_a_gradient_overflow_on_one_rank_makes_every_rank_skip_the_step() -> Non
 def test_tied_weights_on_the_meta_device_are_refused_not_untied() -> None:
     for message in run_ranks(tied_on_meta, 2):
         assert "meta device with parameters shared across stages (0.weight)" in message
+
+
+def test_a_failed_profile_on_rank_zero_fails_every_rank_at_once() -> None:
+    results = run_ranks(failed_profile_on_rank_zero, 2)
+    assert results[0][0] != "built" and results[1][0] == "ValueError"
+    assert "rank 0 failed in balance" in results[1][1]
+    assert all(seconds < 15 for _, _, seconds in results)  # not the 20 s timeout, nor 30 min
