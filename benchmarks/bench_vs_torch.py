@@ -19,6 +19,12 @@ M) until every runner has enough quiet steps. Each figure is the median of its
 quiet steps. The bar: ours no slower than torch's at every M, and within 15% of
 the ideal at M=8. Exits 1 when the bar is missed, 2 when the pipelines'
 gradients disagree with one process's.
+
+With ``--model tiny|mlp`` it instead compares one model at M=8 (``--schedules``), each
+side in fresh processes, launches alternating, and prints our step's breakdown per rank
+(``pipeline.executor.StepMeter``); ``--trace out.json`` writes our last step's timeline.
+Two experiment knobs for our gloo transport, read in each rank: ``BENCH_YIELD=0|1``
+(``os.sched_yield`` after each send) and ``BENCH_LOOKAHEAD=n`` (receives posted ahead).
 """
 
 from __future__ import annotations
@@ -363,6 +369,8 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
         runner.pipe._runner.meter = meter
         if os.environ.get("BENCH_YIELD") is not None:  # an experiment: yield after sends or not
             runner.pipe._runner.transport.yield_after_send = os.environ["BENCH_YIELD"] == "1"
+        if os.environ.get("BENCH_LOOKAHEAD") is not None:  # receives posted ahead, at most
+            runner.pipe._runner.transport.lookahead = int(os.environ["BENCH_LOOKAHEAD"])
     for _ in range(warmup):
         _timed(runner.step)
     meter.reset()
