@@ -19,6 +19,12 @@ M) until every runner has enough quiet steps. Each figure is the median of its
 quiet steps. The bar: ours no slower than torch's at every M, and within 15% of
 the ideal at M=8. Exits 1 when the bar is missed, 2 when the pipelines'
 gradients disagree with one process's.
+
+With ``--model tiny|mlp`` it instead compares one model at M=8 (``--schedules``), each
+side in fresh processes, launches alternating, and prints our step's breakdown per rank
+(``pipeline.executor.StepMeter``); ``--trace out.json`` writes our last step's timeline.
+Two experiment knobs for our gloo transport, read in each rank: ``BENCH_YIELD=0|1``
+(``os.sched_yield`` after each send) and ``BENCH_LOOKAHEAD=n`` (receives posted ahead).
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ if TYPE_CHECKING:
     from pipeline.checkpoint import CheckpointMode
 
 WIDTH, BLOCKS, BATCH = 512, 8, 384  # ~100 ms for a whole-batch step on one thread
+MODELS = {"mlp": (1024, 256), "tiny": (16, 64)}  # --model: (width, batch), BLOCKS layers each
+
+
+def use_model(name: str) -> None:
+    """Switch the module's model and batch (in this process: each rank calls it too)."""
+    global WIDTH, BATCH
+    WIDTH, BATCH = MODELS[name]
 STAGES = 2
 BAR_VS_IDEAL = 1.15
 QUIET_CORES = 0.25  # a step during which other processes used more cores than this is dropped
@@ -337,8 +350,117 @@ def _wait_for_quiet(seconds: float) -> float:
     return monitor.samples[-1][1] if monitor.samples else 0.0
 
 
+# -- --model: ours against torch in fresh processes, alternating, with our step's breakdown ---
+
+
+def side_main(rank: int, world: int, model: str, side: str, schedule: str, microbatches: int,
+              warmup: int, steps: int, trace: str | None) -> dict[str, Any]:
+    """One side (ours or torch) in fresh processes: every step's time on this rank (barrier
+    before each step), and for ours the step's breakdown from the executor's meter."""
+    import torch.distributed as dist
+
+    from pipeline.executor import StepMeter
+
+    use_model(model)
+    runner: Any = (Ours(rank, microbatches, schedule, "never") if side == "ours" else
+                   Torch(rank, microbatches, schedule))
+    meter = StepMeter()
+    if side == "ours":
+        runner.pipe._runner.meter = meter
+        if os.environ.get("BENCH_YIELD") is not None:  # an experiment: yield after sends or not
+            runner.pipe._runner.transport.yield_after_send = os.environ["BENCH_YIELD"] == "1"
+        if os.environ.get("BENCH_LOOKAHEAD") is not None:  # receives posted ahead, at most
+            runner.pipe._runner.transport.lookahead = int(os.environ["BENCH_LOOKAHEAD"])
+    for _ in range(warmup):
+        _timed(runner.step)
+    meter.reset()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        started = time.perf_counter()
+        runner.step()
+        times.append(time.perf_counter() - started)
+    report: dict[str, Any] = {"times": times, "grad_sq": runner.grad_sq()}
+    if side == "ours":
+        report["meter"] = meter.per_step_ms()
+        if trace and rank == 0 and runner.pipe.timeline is not None:
+            runner.pipe.timeline.to_chrome_trace(trace)
+    return report
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``--model``: per schedule, ours and torch's launched in turn (A B A B ...), each launch
+    a fresh pair of processes; a step's time is the slowest rank's, barrier to step end; each
+    launch gives the median of its steps, and each side the median of its launches."""
+    use_model(args.model)
+    microbatches = args.microbatches[0] if args.microbatches != [4, 8, 16] else 8
+    print(f"{BLOCKS} x (Linear({WIDTH}), ReLU), batch {BATCH}, M={microbatches}, P={STAGES} gloo "
+          f"ranks, 1 thread each; {args.launches} launches per side, alternating; "
+          f"{args.steps_per_launch} steps per launch after {args.warmup_steps} warm-up steps")
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} cores)")
+    met = True
+    with LoadMonitor() as monitor:
+        for schedule in args.schedules:
+            launches: dict[str, list[float]] = {"ours": [], "torch": []}
+            meters: list[list[dict[str, float]]] = []
+            for launch in range(args.launches):
+                for side in ("ours", "torch"):
+                    reports = run_ranks(side_main, STAGES, args.model, side, schedule,
+                                        microbatches, args.warmup_steps, args.steps_per_launch,
+                                        args.trace if launch == 0 else None)
+                    steps = [max(r["times"][i] for r in reports)
+                             for i in range(len(reports[0]["times"]))]
+                    launches[side].append(_median_ms(steps))
+                    if side == "ours":
+                        mean = 1e3 * statistics.fmean(steps)
+                        meters.append([{**r["meter"], "other": mean - r["meter"]["total"]}
+                                       for r in reports])
+            ours, theirs = statistics.median(launches["ours"]), statistics.median(launches["torch"])
+            ratio = ours / theirs
+            print(f"\n{schedule}: ours {ours:.2f} ms, torch {theirs:.2f} ms, ours/torch "
+                  f"{ratio:.3f}   (launch medians: ours "
+                  f"{' '.join(f'{v:.2f}' for v in launches['ours'])}; torch "
+                  f"{' '.join(f'{v:.2f}' for v in launches['torch'])})")
+            _print_breakdown(meters)
+            bar = 0.8 if args.model == "tiny" else 0.9
+            if schedule == "1f1b" and ratio > bar or ratio > 1.0:
+                met = False
+    print(f"\nother processes kept {monitor.mean():.2f} cores busy on average; load after: "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"bar (1f1b ours/torch <= {0.8 if args.model == 'tiny' else 0.9}, every schedule <= 1):"
+          f" {'MET' if met else 'MISSED'}")
+    return 0 if met else 1
+
+
+def _print_breakdown(meters: list[list[dict[str, float]]]) -> None:
+    """Per rank, the medians over launches of our step's parts (ms per step, means over a
+    launch's steps)."""
+    parts = ("compute", "wait", "post", "collective", "overhead", "total", "other")
+    print(f"  ours, ms/step: {' '.join(f'{p:>10}' for p in parts)}")
+    for rank in range(len(meters[0])):
+        values = {p: statistics.median(m[rank][p] for m in meters) for p in parts}
+        print(f"  rank {rank:<8} {' '.join(f'{values[p]:10.2f}' for p in parts)}")
+    print("  compute: the actions (their events); wait: in transport.take and finish (a peer's "
+          "message, unpacking); post: in transport.post and begin_step (sends, the yield after "
+          "each, receives posted ahead); "
+          "collective: the end-of-step all-gather of loss and timeline (and building the "
+          "timeline); overhead: the rest of the runner's step (executor, begin_step, step_of, "
+          "input gradients); total: the runner's step; other: the benchmark's step (mean of the "
+          "slowest rank's, from a barrier) minus total (Pipe.step's checks and split, leaving "
+          "the barrier)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS),
+                        help="compare ours with torch on this model, launches alternating "
+                             "(tiny: 8 x Linear(16)+ReLU, batch 64; mlp: Linear(1024), batch 256)")
+    parser.add_argument("--launches", type=int, default=3, help="--model: launches per side")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    parser.add_argument("--steps-per-launch", type=int, default=30)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--trace", metavar="OUT.json",
+                        help="--model: write our last step's timeline as a chrome trace")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="steps per runner per round")
@@ -350,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait-quiet", type=float, default=20.0, metavar="SECONDS",
                         help="first wait up to this long for other processes to go quiet")
     args = parser.parse_args(argv)
+    if args.model:
+        return compare(args)
     if args.pin:
         os.environ["PIPESCHED_PIN"] = "1"  # read by _spawn in each rank
     _wait_for_quiet(args.wait_quiet)

@@ -19,7 +19,7 @@ from schedules import Event, Schedule, Timeline
 
 from pipeline.calibration import calibrate_group
 from pipeline.collectives import all_gather, all_reduce, barrier, gather_objects
-from pipeline.executor import StepInputs, run_stage
+from pipeline.executor import StepInputs, StepMeter, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.slicing import build_chunks
@@ -252,6 +252,7 @@ class DistRunner:
         self.hops = calibrate_group(group, schedule, device, timeout)  # for Pipe.predict
         self.memory: tuple[MemoryReport, ...] = ()
         self._broken: str | None = None  # why this rank's group can no longer be used
+        self.meter: StepMeter | None = None  # set one to account for each step's time
 
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
@@ -286,10 +287,18 @@ class DistRunner:
 
     def _run(self, plan: Any, step_inputs: StepInputs, infer: bool) -> Any:
         self._check_usable()
+        meter = None if infer else self.meter
+        beginning = time.perf_counter()
         self.transport.begin_step(self.plans.forward if infer else self.plans.training, self.stage)
+        if meter is not None:  # posting the first receives
+            meter.post += time.perf_counter() - beginning
         try:
-            result = run_stage(plan, self.chunks, self.transport, step_inputs, infer=infer)
+            result = run_stage(plan, self.chunks, self.transport, step_inputs, infer=infer,
+                               meter=meter)
+            finishing = time.perf_counter()
             self.transport.finish()
+            if meter is not None:
+                meter.wait += time.perf_counter() - finishing
         except BaseException as error:
             self._fail(error)
             raise
@@ -322,9 +331,15 @@ class DistRunner:
         propagate_input_grads(step_inputs.inputs, [result])
         if self.tracker is not None:
             self.memory = (self.tracker.report(),)
+        shared = time.perf_counter()
         loss, timeline = self._share_results(result.losses, result.events, origin)
         self._sum_shared_gradients()
         self._average_gradients(loss)
+        if self.meter is not None:
+            end = time.perf_counter()
+            self.meter.collective += end - shared
+            self.meter.total += end - origin
+            self.meter.steps += 1
         return loss, timeline
 
     def _sum_shared_gradients(self) -> None:

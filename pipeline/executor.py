@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -50,6 +51,17 @@ class StagePlan:
     def actions(self) -> tuple[Action, ...]:
         return self.schedule.order[self.stage]
 
+    @cached_property
+    def owned(self) -> frozenset[int]:
+        return frozenset(action.chunk for action in self.actions)
+
+    def compiled(self, infer: bool) -> tuple[Operation, ...]:
+        """The steps as prepared operations (``compile_plan``), compiled once per mode."""
+        cache = self.__dict__.setdefault("_compiled", {})
+        if infer not in cache:
+            cache[infer] = compile_plan(self, infer)
+        return cache[infer]  # type: ignore[no-any-return]
+
 
 def _key(action: Action) -> ActionKey:
     return (action.op, action.microbatch, action.chunk)
@@ -86,6 +98,38 @@ class StageResult:
 Clock = Callable[[], float]
 
 
+@dataclass
+class StepMeter:
+    """Opt-in accounting of where a stage's step went (off by default: ``meter=None``).
+
+    ``compute``: the actions' own time (their events); ``wait``: inside ``transport.take``
+    (waiting for a peer, and unpacking) and the transport's ``finish``; ``post``: inside
+    ``transport.post`` (sends) and its ``begin_step`` (the first receives posted);
+    ``collective``: the runner's end-of-step collectives; ``total``: the runner's whole
+    step. Seconds, summed over ``steps`` steps; ``reset`` starts again.
+    """
+
+    compute: float = 0.0
+    wait: float = 0.0
+    post: float = 0.0
+    collective: float = 0.0
+    total: float = 0.0
+    steps: int = 0
+
+    def reset(self) -> None:
+        self.compute = self.wait = self.post = self.collective = self.total = 0.0
+        self.steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step: each part, and ``overhead``, the rest of ``total``."""
+        steps = max(1, self.steps)
+        parts = {"compute": self.compute, "wait": self.wait, "post": self.post,
+                 "collective": self.collective}
+        rest = self.total - sum(parts.values())
+        return {**{k: 1e3 * v / steps for k, v in parts.items()},
+                "overhead": 1e3 * rest / steps, "total": 1e3 * self.total / steps}
+
+
 def run_stage(
     plan: StagePlan,
     chunks: dict[int, ChunkRunner],
@@ -93,114 +137,186 @@ def run_stage(
     step_inputs: StepInputs,
     clock: Clock = time.perf_counter,
     infer: bool = False,
+    meter: StepMeter | None = None,
 ) -> StageResult:
     """Execute ``plan.steps`` in order: compute actions, and groups posted to ``transport``.
 
     With ``infer`` (a forward-only plan, for ``Pipe.__call__``) the forwards keep
     nothing for a backward and the last chunk's outputs are returned, not losses.
     An action's event spans its compute only: waiting for an input counts as idle.
+    The plan is compiled once (``StagePlan.compiled``) into prepared operations, each
+    with what it fetches, runs and delivers resolved; a step only calls them in turn.
 
     Raises:
         ValueError: this stage runs the first chunk without ``x``, or the last without targets.
     """
     schedule = plan.schedule
-    owned = {action.chunk for action in plan.actions}
+    owned = plan.owned
     if 0 in owned and step_inputs.inputs is None:
         raise ValueError(f"stage {plan.stage} runs the first chunk and needs the input x")
     if not infer and schedule.chunks - 1 in owned and step_inputs.targets is None:
         raise ValueError(f"stage {plan.stage} runs the last chunk and needs the target")
-    run = _StageRun(plan, chunks, transport, step_inputs, infer)
-    for step in plan.steps:
-        if isinstance(step, Group):
-            transport.post(step, {op.key: run.outgoing.pop(op.key)
-                                  for op in step.ops if op.kind == "send"})
-            continue
-        if step.op is Op.F:
-            inputs, target = run.forward_inputs(step)
-            start = clock()
-            produced = run.forward(step, inputs, target)
-        elif step.op is Op.W:
-            start = clock()
-            produced = chunks[step.chunk].backward_weight(step.microbatch)
-        else:
-            grads = run.output_grads(step)
-            start = clock()
-            produced = run.backward(step, grads)
-        run.result.events.append(Event(plan.stage, step, start, clock()))
-        if produced is not None:
-            run.deliver(step, produced)
+    run = _StageRun(plan, chunks, transport, step_inputs, infer, clock)
+    if meter is not None:
+        run.take = _timed(transport.take, meter, "wait")
+        run.post = _timed(transport.post, meter, "post")
+    for operation in plan.compiled(infer):
+        operation(run)
+    if meter is not None:
+        meter.compute += sum(event.end - event.start for event in run.result.events)
     return run.result
 
 
-@dataclass
+def _timed(function: Callable[..., Any], meter: StepMeter, part: str) -> Callable[..., Any]:
+    def timed(*args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args)
+        finally:
+            setattr(meter, part, getattr(meter, part) + time.perf_counter() - start)
+
+    return timed
+
+
 class _StageRun:
     """One stage's state during a step: results kept or waiting to be sent, losses, events."""
 
-    plan: StagePlan
-    chunks: dict[int, ChunkRunner]
-    transport: Transport
-    step_inputs: StepInputs
-    infer: bool
-    result: StageResult = field(default_factory=StageResult)
-    kept: dict[ActionKey, Payload] = field(default_factory=dict)
-    outgoing: dict[ActionKey, Payload] = field(default_factory=dict)
+    __slots__ = ("plan", "chunks", "transport", "step_inputs", "infer", "clock", "result",
+                 "kept", "outgoing", "take", "post", "events")
 
-    def fetch(self, key: ActionKey) -> Payload:
-        if key in self.kept:
-            return self.kept.pop(key)
-        return self.transport.take(key)
+    def __init__(self, plan: StagePlan, chunks: dict[int, ChunkRunner], transport: Transport,
+                 step_inputs: StepInputs, infer: bool, clock: Clock) -> None:
+        self.plan = plan
+        self.chunks = chunks
+        self.transport = transport
+        self.step_inputs = step_inputs
+        self.infer = infer
+        self.clock = clock
+        self.result = StageResult()
+        self.events = self.result.events
+        self.kept: dict[ActionKey, Payload] = {}
+        self.outgoing: dict[ActionKey, Payload] = {}
+        self.take = transport.take
+        self.post = transport.post
 
-    def deliver(self, action: Action, produced: Payload) -> None:
-        key = _key(action)
-        if key in self.plan.sent:
-            self.outgoing[key] = produced
-        if key in self.plan.kept:
-            self.kept[key] = produced
 
-    def forward_inputs(self, action: Action) -> tuple[Payload, Any]:
-        microbatch, chunk = action.microbatch, action.chunk
-        if chunk == 0:
-            inputs = self.step_inputs.inputs[microbatch]  # type: ignore[index]
+Operation = Callable[[_StageRun], None]
+
+
+def _fetcher(key: ActionKey, kept_here: bool) -> Callable[[_StageRun], Payload]:
+    """How an action gets a result: from this stage (a later chunk of it) or from a peer."""
+    if kept_here:
+        return lambda run: run.kept.pop(key)
+    return lambda run: run.take(key)
+
+
+def _deliverer(plan: StagePlan, action: Action) -> Callable[[_StageRun, Payload], None]:
+    key = _key(action)
+    sent, kept = key in plan.sent, key in plan.kept
+
+    def deliver(run: _StageRun, produced: Payload) -> None:
+        if sent:
+            run.outgoing[key] = produced
+        if kept:
+            run.kept[key] = produced
+
+    return deliver
+
+
+def _compile_group(group: Group) -> Operation:
+    sends = tuple(op.key for op in group.ops if op.kind == "send")
+
+    def post(run: _StageRun) -> None:
+        outgoing = run.outgoing
+        run.post(group, {key: outgoing.pop(key) for key in sends})
+
+    return post
+
+
+def _compile_forward(plan: StagePlan, action: Action, infer: bool, kept: frozenset[ActionKey]
+                     ) -> Operation:
+    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
+    is_last = index == plan.schedule.chunks - 1
+    source = None if index == 0 else _fetcher((Op.F, microbatch, index - 1),
+                                               (Op.F, microbatch, index - 1) in kept)
+    deliver = _deliverer(plan, action)
+
+    def forward(run: _StageRun) -> None:
+        chunk = run.chunks[index]
+        if source is None:
+            inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
         else:
-            inputs = self.fetch((Op.F, microbatch, chunk - 1))
-        is_last = chunk == self.plan.schedule.chunks - 1
-        target = None
-        if is_last and not self.infer:
-            target = self.step_inputs.targets[microbatch]  # type: ignore[index]
-        return inputs, target
-
-    def forward(self, action: Action, inputs: Payload, target: Any) -> Payload:
-        microbatch, chunk = action.microbatch, self.chunks[action.chunk]
-        is_last = action.chunk == self.plan.schedule.chunks - 1
-        if self.infer:
+            inputs = source(run)
+        if infer:
+            start = run.clock()
             produced = chunk.infer(microbatch, inputs)
+            run.events.append(Event(stage, action, start, run.clock()))
             if is_last:
-                self.result.outputs[microbatch] = produced
-                return None
-            return produced
-        weight = self.step_inputs.weights[microbatch]
+                run.result.outputs[microbatch] = produced
+            else:
+                deliver(run, produced)
+            return
+        target = run.step_inputs.targets[microbatch] if is_last else None  # type: ignore[index]
+        weight = run.step_inputs.weights[microbatch]
+        start = run.clock()
         produced = chunk.forward(microbatch, inputs, target, weight)
+        run.events.append(Event(stage, action, start, run.clock()))
         if is_last:
-            self.result.losses[microbatch] = produced
-            return None
-        return produced
-
-    def output_grads(self, action: Action) -> Payload:
-        microbatch, chunk = action.microbatch, action.chunk
-        schedule = self.plan.schedule
-        if chunk == schedule.chunks - 1:
-            return None  # the loss is the root
-        later = schedule.backward_op(microbatch, chunk + 1)
-        return self.fetch((later, microbatch, chunk + 1))
-
-    def backward(self, action: Action, grads: Payload) -> Payload:
-        chunk = self.chunks[action.chunk]
-        if action.op is Op.B:
-            produced = chunk.backward(action.microbatch, grads)
+            run.result.losses[microbatch] = produced
         else:
-            produced = chunk.backward_input(action.microbatch, grads)
-        if action.chunk > 0:
-            return produced
-        if any(grad is not None for grad in produced):
-            self.result.input_grads[action.microbatch] = produced
-        return None
+            deliver(run, produced)
+
+    return forward
+
+
+def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey]) -> Operation:
+    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
+    schedule = plan.schedule
+    source = None
+    if index < schedule.chunks - 1:  # else the loss is the root
+        later = (schedule.backward_op(microbatch, index + 1), microbatch, index + 1)
+        source = _fetcher(later, later in kept)
+    split = action.op is not Op.B
+    deliver = _deliverer(plan, action)
+
+    def backward(run: _StageRun) -> None:
+        chunk = run.chunks[index]
+        grads = None if source is None else source(run)
+        start = run.clock()
+        if split:
+            produced = chunk.backward_input(microbatch, grads)
+        else:
+            produced = chunk.backward(microbatch, grads)
+        run.events.append(Event(stage, action, start, run.clock()))
+        if index > 0:
+            deliver(run, produced)
+        elif any(grad is not None for grad in produced):
+            run.result.input_grads[microbatch] = produced
+
+    return backward
+
+
+def _compile_weight(plan: StagePlan, action: Action) -> Operation:
+    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
+
+    def weight(run: _StageRun) -> None:
+        start = run.clock()
+        run.chunks[index].backward_weight(microbatch)
+        run.events.append(Event(stage, action, start, run.clock()))
+
+    return weight
+
+
+def compile_plan(plan: StagePlan, infer: bool) -> tuple[Operation, ...]:
+    """``plan.steps`` as prepared operations, each a callable of the step's ``_StageRun``."""
+    operations: list[Operation] = []
+    for step in plan.steps:
+        if isinstance(step, Group):
+            operations.append(_compile_group(step))
+        elif step.op is Op.F:
+            operations.append(_compile_forward(plan, step, infer, plan.kept))
+        elif step.op is Op.W:
+            operations.append(_compile_weight(plan, step))
+        else:
+            operations.append(_compile_backward(plan, step, plan.kept))
+    return tuple(operations)

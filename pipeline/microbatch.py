@@ -43,6 +43,8 @@ def split(batch: Any, chunks: int) -> list[Any]:
         for part in batch:
             batch_size(part)
         return list(batch)
+    if isinstance(batch, torch.Tensor) and batch.dim() and batch.shape[0] >= chunks:
+        return list(torch.tensor_split(batch, chunks))  # the common case, without pytree work
     leaves, spec = pytree.tree_flatten(batch)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     rows = {t.shape[0] if t.dim() else None for t in tensors}
@@ -77,6 +79,8 @@ def merge(outputs: Sequence[Any]) -> Any:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """Every tensor of ``value`` on ``device``; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
     return pytree.tree_map(
         lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf, value
     )

@@ -32,6 +32,8 @@ class Flat:
 
     def rebuild(self, leaves: tuple[Any, ...] | list[Any] | None = None) -> Any:
         """The payload again, with ``leaves`` in place of the original ones when given."""
+        if self.spec is _LEAF:  # a plain tensor: no pytree work
+            return self.leaves[0] if leaves is None else leaves[0]
         return pytree.tree_unflatten(list(self.leaves if leaves is None else leaves), self.spec)
 
     @property
@@ -43,14 +45,21 @@ class Flat:
         return tuple(leaf for leaf in self.leaves if differentiable(leaf))
 
 
+_LEAF = pytree.tree_flatten(0)[1]  # the structure of a payload that is one leaf
+
+
 def flatten(value: Any) -> Flat:
     """Split a payload into its leaves and structure."""
+    if isinstance(value, torch.Tensor):  # the common case, without pytree work
+        return Flat((value,), _LEAF)
     leaves, spec = pytree.tree_flatten(value)
-    return Flat(tuple(leaves), spec)
+    return Flat(tuple(leaves), _LEAF if spec == _LEAF else spec)
 
 
 def map_tensors(value: Any, function: Any) -> Any:
     """``value`` with ``function`` applied to every tensor leaf (other leaves kept)."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
     return pytree.tree_map(lambda leaf: function(leaf) if isinstance(leaf, torch.Tensor) else leaf,
                            value)
 

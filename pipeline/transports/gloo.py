@@ -136,16 +136,26 @@ class GlooTransport:
         self._sources: dict[ActionKey, int] = {}
         self._posted: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
         self._abandoned: list[tuple[Any, torch.Tensor]] = []  # a failed step's last sends
+        # Per comm plan and stage (kept with the plan, so that an id is never reused):
+        # its receives in order, their sources, and its sends, resolved once.
+        self._plans: dict[tuple[int, int], tuple[CommPlan, Any, Any, Any]] = {}
+        # The last header received per message, and what it decoded to: a header that
+        # repeats byte for byte is not decoded (nor bounds-checked) again.
+        self._decoded: dict[tuple[ActionKey, int], tuple[bytes, int, Metas]] = {}
 
     def begin_step(self, plan: CommPlan, stage: int) -> None:
         """Note this step's receives (posted ahead, in plan order) and the messages owed."""
-        receives = [(op.key, op.peer) for op in plan.receives(stage)]
-        self._sources = dict(receives)
+        known = self._plans.get((id(plan), stage))
+        if known is None or known[0] is not plan:
+            receives = tuple((op.key, op.peer) for op in plan.receives(stage))
+            sends = tuple((op.key, op.peer) for op in plan.sends(stage))
+            known = self._plans[(id(plan), stage)] = (plan, receives, dict(receives), sends)
+        _, receives, self._sources, sends = known
         self._owed = {}
-        for op in plan.sends(stage):
-            self._owed.setdefault(op.key, []).append(op.peer)
+        for key, peer in sends:
+            self._owed.setdefault(key, []).append(peer)
         self._posted = {}
-        self._ahead = receives if self.predicts else []
+        self._ahead = list(receives) if self.predicts else []
         self._post_ahead()
 
     def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
@@ -260,10 +270,7 @@ class GlooTransport:
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
         if status not in (OK, NEXT):
             raise self._corrupt(source, f"status {status}")
-        try:
-            kind, metas = decode_header(header, self.max_message_bytes)
-        except HeaderError as error:
-            raise self._corrupt(source, str(error)) from error
+        kind, metas = self._decode(key, source, header)
         if status == NEXT:
             buffer, work = self._post(key, source, message_size(metas), True)
             self._wait(work, key, source)
@@ -277,6 +284,19 @@ class GlooTransport:
             return from_wire(kind, tensors)
         except Exception as error:
             raise self._corrupt(source, f"{type(error).__name__}: {error}") from error
+
+    def _decode(self, key: ActionKey, source: int, header: torch.Tensor) -> tuple[int, Metas]:
+        """``decode_header``, skipped when the header is the one this message had last time."""
+        raw = header.numpy().tobytes()
+        last = self._decoded.get((key, source))
+        if last is not None and last[0] == raw:
+            return last[1], last[2]
+        try:
+            kind, metas = decode_header(header, self.max_message_bytes)
+        except HeaderError as error:
+            raise self._corrupt(source, str(error)) from error
+        self._decoded[(key, source)] = (raw, kind, metas)
+        return kind, metas
 
     def _corrupt(self, source: int, what: str) -> PeerError:
         rank = self.stage_ranks[source]
