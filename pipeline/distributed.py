@@ -23,7 +23,13 @@ from pipeline.executor import StepInputs, StepMeter, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.slicing import build_chunks
-from pipeline.shared import SharedParameter, shared_parameters, stages_using, unique
+from pipeline.shared import (
+    SharedParameter,
+    chunk_layers,
+    shared_parameters,
+    stages_using,
+    unique,
+)
 from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.transports import make_transport
@@ -128,6 +134,38 @@ def _materialise(layers: nn.Sequential, device: torch.device,
                 reset()
 
 
+def _shared_across_stages(
+    model: nn.Sequential, balance: Sequence[int], schedule: Schedule, local_layers: Sequence[int],
+    shared: dict[int, SharedParameter],
+) -> tuple[list[_Synced], dict[int, int]]:
+    """The parameters used on several stages, and each shared parameter's owner stage.
+
+    Their gradients are summed across those stages after each step (the same list, in
+    model order, on every rank); each is counted once, on its first user's stage, when
+    clipping.
+
+    Raises:
+        ValueError: such parameters in a model on the meta device (materialising each
+            rank's layers would untie them).
+    """
+    local = set(local_layers)
+    ordered = [p for p in unique(model.parameters()) if id(p) in shared]
+    synced = [
+        _Synced(p if local.intersection(shared[id(p)].layers) else None, tuple(p.shape), p.dtype)
+        for p in ordered if len(stages_using(shared[id(p)], balance, schedule.placement)) > 1
+    ]
+    if synced and any(p.is_meta for p in model.parameters()):
+        names = ", ".join(shared[id(p)].name for p in ordered)
+        raise ValueError(
+            f"a model on the meta device with parameters shared across stages ({names}) is "
+            f"not supported yet: materialising each rank's layers would untie them; build "
+            f"the model on the CPU, or cut it so that the tied layers share a stage"
+        )
+    owner_stage = {id(p): schedule.placement[_chunk_of(shared[id(p)].owner, balance)]
+                   for p in ordered}
+    return synced, owner_stage
+
+
 def _free_remote_layers(model: nn.Sequential, local_layers: Sequence[int],
                         shared: dict[int, SharedParameter]) -> None:
     """Move the layers this rank does not run to ``meta``, keeping parameters local layers share.
@@ -191,41 +229,14 @@ class DistRunner:
         self.stage_ranks = [dist.get_global_rank(group, r) for r in range(schedule.stages)]
         self.balance = list(balance)
         self.model = model
-        firsts = [sum(balance[:c]) for c in range(len(balance))]
-        self.local_layers = [
-            i for c in schedule.chunks_of_stage[self.stage]
-            for i in range(firsts[c], firsts[c] + balance[c])
-        ]
+        layers_of = chunk_layers(balance)
+        self.local_layers = [i for c in schedule.chunks_of_stage[self.stage] for i in layers_of[c]]
         self.shared = shared_parameters(model)
-        # Parameters used on several stages: their gradients are summed across those stages
-        # after each step (the same list, in model order, on every rank); each is counted
-        # once, on its first user's stage, when clipping.
-        local = set(self.local_layers)
-        self.synced = [
-            _Synced(p if local.intersection(info.layers) else None, tuple(p.shape), p.dtype)
-            for p in unique(model.parameters()) if id(p) in self.shared
-            for info in [self.shared[id(p)]]
-            if len(stages_using(info, balance, schedule.placement)) > 1
-        ]
-        owner_stage = {
-            id(p): schedule.placement[_chunk_of(self.shared[id(p)].owner, balance)]
-            for p in unique(model.parameters()) if id(p) in self.shared
-        }
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and self.synced:
-            names = ", ".join(self.shared[id(p)].name for p in unique(model.parameters())
-                              if id(p) in self.shared)
-            raise ValueError(
-                f"a model on the meta device with parameters shared across stages ({names}) is "
-                f"not supported yet: materialising each rank's layers would untie them; build "
-                f"the model on the CPU, or cut it so that the tied layers share a stage"
-            )
+        self.synced, owner_stage = _shared_across_stages(model, balance, schedule,
+                                                         self.local_layers, self.shared)
         _free_remote_layers(model, self.local_layers, self.shared)
-        own = set(self.local_layers)
         for c in schedule.chunks_of_stage[self.stage]:
-            _materialise(nn.Sequential(*[model[i] for i in range(firsts[c], firsts[c] + balance[c])]),
-                         device, init_fn)
-        assert own
+            _materialise(nn.Sequential(*[model[i] for i in layers_of[c]]), device, init_fn)
         self.counted = [
             p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
         ]

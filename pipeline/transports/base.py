@@ -60,3 +60,27 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Release buffers and communicators; the transport is not used afterwards."""
+
+
+class KeyedTransport:
+    """A ``Transport`` built on keyed ``send(key, peer, payload)`` and ``receive(key, source)``:
+    a group's sends go out at once, its receives are taken when an action needs them.
+
+    Subclasses fill ``_sources`` (each received key's sending stage) in ``begin_step``.
+    """
+
+    _sources: dict[ActionKey, int]
+
+    def send(self, key: ActionKey, destination: int, payload: Payload) -> None:
+        raise NotImplementedError
+
+    def receive(self, key: ActionKey, source: int) -> Payload:
+        raise NotImplementedError
+
+    def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
+        for op in group.ops:
+            if op.kind == "send":
+                self.send(op.key, op.peer, outgoing[op.key])
+
+    def take(self, key: ActionKey) -> Payload:
+        return self.receive(key, self._sources[key])

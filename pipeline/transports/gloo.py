@@ -44,18 +44,18 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from schedules import CommPlan, Group, Op
+from schedules import CommPlan, Op
 from schedules.dependencies import ActionKey
 
 from pipeline.payload import from_wire, to_wire
-from pipeline.transports.base import Payload, PeerError
+from pipeline.transports.base import KeyedTransport, PeerError
 from pipeline.transports.wire import (
     FAILED,
     HEADER_BYTES,
@@ -98,7 +98,7 @@ def _predicted(record: Record, key: tuple[ActionKey, int]) -> Metas | None:
     return last[0] if last is not None and last[1] else None
 
 
-class GlooTransport:
+class GlooTransport(KeyedTransport):
     """Point-to-point transport for one stage of a pipeline process group."""
 
     def __init__(
@@ -157,15 +157,6 @@ class GlooTransport:
         self._posted = {}
         self._ahead = list(receives) if self.predicts else []
         self._post_ahead()
-
-    def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
-        """Send the group's sends now; its receives are already posted ahead, or will be."""
-        for op in group.ops:
-            if op.kind == "send":
-                self.send(op.key, op.peer, outgoing[op.key])
-
-    def take(self, key: ActionKey) -> Payload:
-        return self.receive(key, self._sources[key])
 
     def close(self) -> None:
         """Wait briefly for what is still in flight, then drop every buffer."""

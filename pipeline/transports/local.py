@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from schedules import CommPlan, Group
+from schedules import CommPlan
 from schedules.dependencies import ActionKey
 
 from pipeline.payload import flatten, map_tensors
-from pipeline.transports.base import Payload, PipelineAborted
+from pipeline.transports.base import KeyedTransport, PipelineAborted
 
 
 def move(payload: Any, device: torch.device) -> Any:
@@ -71,7 +70,7 @@ class LocalTransport:
             return self._boxes[stage].pop(key)
 
 
-class LocalEndpoint:
+class LocalEndpoint(KeyedTransport):
     """One stage's view of a LocalTransport (a ``Transport``)."""
 
     def __init__(self, transport: LocalTransport, stage: int) -> None:
@@ -82,14 +81,6 @@ class LocalEndpoint:
 
     def begin_step(self, plan: CommPlan, stage: int) -> None:
         self._sources = {op.key: op.peer for op in plan.receives(stage)}
-
-    def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
-        for op in group.ops:
-            if op.kind == "send":
-                self.send(op.key, op.peer, outgoing[op.key])
-
-    def take(self, key: ActionKey) -> Payload:
-        return self.receive(key, self._sources[key])
 
     def finish(self) -> None:
         return None
