@@ -106,6 +106,7 @@ class ChunkRunner:
         self._microbatches = 1
         self._split = False  # backwards split into I and W: keep every layer's outputs
         self._draws: list[bool | None] = [None] * len(layers)
+        self._quiet = False
         self._mutates_input: bool | None = None
         self._norms = running_norms(layers)
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
@@ -117,6 +118,7 @@ class ChunkRunner:
         self._microbatches = microbatches
         self._split = split_backward
         self._draws = [None] * len(self.layers)
+        self._quiet = False  # no layer of the chunk draws random numbers (known this step)
         self._mutates_input = None
         if self.deferred is not None:
             self.deferred.begin_step()
@@ -151,31 +153,37 @@ class ChunkRunner:
     ) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
         value, watched = self._layer_input(inputs)
         recorded = []
-        for offset, layer in enumerate(self.layers):
-            value = self._run_layer(microbatch, offset, layer, value)
-            if record:
-                recorded.append(tuple(t for t in flatten(value).leaves if differentiable(t)))
+        offset = 0
+        try:
+            if self._quiet and not record:  # the common case: plain calls, nothing per layer
+                for offset, layer in enumerate(self.layers):
+                    value = layer(value)
+            else:
+                for offset, layer in enumerate(self.layers):
+                    value = self._run_layer(microbatch, offset, layer, value)
+                    if record:
+                        recorded.append(tuple(t for t in flatten(value).leaves if differentiable(t)))
+                self._quiet = not any(self._draws)
+        except Exception as error:
+            name = type(self.layers[offset]).__name__
+            raise StageError(
+                f"stage {self.spec.stage}, layer {self.spec.first_layer + offset} ({name}), "
+                f"micro-batch {microbatch}: {type(error).__name__}: {error}"
+            ) from error
         if watched:
             self._mutates_input = any(t._version for t in watched)
         return value, recorded
 
     def _run_layer(self, microbatch: int, offset: int, layer: nn.Module, value: Any) -> Any:
         draws = self._draws[offset]
-        try:
-            if draws is False:
-                return layer(value)
-            seed = layer_seed(self._seed_base, self.spec.first_layer + offset, microbatch)
-            with seeded(self.device, seed, self.rng_lock, watch=draws is None) as probe:
-                value = layer(value)
-                if draws is None:
-                    self._draws[offset] = probe.drew()
-            return value
-        except Exception as error:
-            name = type(layer).__name__
-            raise StageError(
-                f"stage {self.spec.stage}, layer {self.spec.first_layer + offset} ({name}), "
-                f"micro-batch {microbatch}: {type(error).__name__}: {error}"
-            ) from error
+        if draws is False:
+            return layer(value)
+        seed = layer_seed(self._seed_base, self.spec.first_layer + offset, microbatch)
+        with seeded(self.device, seed, self.rng_lock, watch=draws is None) as probe:
+            value = layer(value)
+            if draws is None:
+                self._draws[offset] = probe.drew()
+        return value
 
     def _statistics(self, first: bool) -> Any:
         """BatchNorm handling for a forward: the first one updates (or records), a rerun not."""
