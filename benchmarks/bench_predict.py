@@ -12,8 +12,9 @@ rank, ``checkpoint="except_last"``):
 
 - ``before``: ``pipeline.predict.predict_step`` before the Pipe's first step: chunk
   costs measured by the probes, hops from the ping-pong at construction;
-- ``refined``: the same after the warm-up steps, its hop latency refined from the
-  last warm-up step's measured timeline (what ``Pipe.predict`` does after a step);
+- ``refined``: the same after the warm-up steps, refined from their measured
+  timelines: hop latency from the delays waiting stages saw, each stage's compute
+  from its median busy time (what ``Pipe.predict`` does after steps);
 - measured: the median makespan of ``--steps`` steps after ``--warmup``, and the
   bubble of the median-makespan step; peak activation bytes, the largest stage's
   ``pipe.memory`` peak against the prediction's ``peak_activation_bytes``.
@@ -104,11 +105,13 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
         mine_y = target if placement[-1] == rank else None
         inputs, targets = split_batch(mine_x, mine_y, microbatches, in_process=False)
         before = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
+        warm = []
         for _ in range(warmup):
             pipe.zero_grad()
             pipe.step(mine_x, mine_y)
+            warm.append(pipe.timeline)
         after = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD,
-                             measured=pipe.timeline)
+                             measured=tuple(warm) if rank == 0 else None)
         timelines, memory = [], []
         for _ in range(steps):
             pipe.zero_grad()
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=list(schedule_names()))
     parser.add_argument("--microbatches", nargs="+", type=int, default=list(COUNTS))
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     if args.quick:
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             by_cell.setdefault(entry["cell"], []).append(entry)
     print(f"2 gloo ranks, one thread each, checkpoint='except_last'; ms; measured = median of "
           f"{args.steps} steps after {args.warmup} warm-up; before = predicted before any step, "
-          f"refined = hop latency from the last warm-up step; act. = peak activation bytes of "
+          f"refined = from the warm-up steps' timelines; act. = peak activation bytes of "
           f"the busiest stage (pipe.memory) vs predicted")
     rows = report(by_cell)
     print()

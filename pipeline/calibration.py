@@ -299,7 +299,7 @@ def action_overhead(device: torch.device, microbatches: int = 16, rounds: int = 
 # -- refined from a measured step ------------------------------------------------------------
 
 
-def measured_hop_delay(schedule: Schedule, timeline: Any) -> float | None:
+def measured_hop_delay(schedule: Schedule, *timelines: Any) -> float | None:
     """Mean seconds from a result's producer ending to its waiting consumer starting.
 
     Only transfers the consumer waited for count (its previous action had ended
@@ -310,23 +310,24 @@ def measured_hop_delay(schedule: Schedule, timeline: Any) -> float | None:
 
     Args:
         schedule: the schedule the timeline ran.
-        timeline: a measured Timeline of it (``Pipe.timeline``).
+        timelines: measured Timelines of it (``Pipe.timeline`` of some steps), pooled.
 
     Returns:
         The mean delay, or None when no consumer waited on another stage.
     """
     from schedules import dependencies
 
-    by_key = {(e.action.op, e.action.microbatch, e.action.chunk): e for e in timeline.events}
     delays = []
-    for stage in range(timeline.stages):
-        events = timeline.stage_events(stage)
-        for previous, event in zip(events, events[1:]):
-            for needed in dependencies(schedule, event.action):
-                producer = by_key.get((needed.op, needed.microbatch, needed.chunk))
-                if producer is not None and producer.stage != stage \
-                        and producer.end > previous.end:
-                    delays.append(event.start - producer.end)
+    for timeline in timelines:
+        by_key = {(e.action.op, e.action.microbatch, e.action.chunk): e for e in timeline.events}
+        for stage in range(timeline.stages):
+            events = timeline.stage_events(stage)
+            for previous, event in zip(events, events[1:]):
+                for needed in dependencies(schedule, event.action):
+                    producer = by_key.get((needed.op, needed.microbatch, needed.chunk))
+                    if producer is not None and producer.stage != stage \
+                            and producer.end > previous.end:
+                        delays.append(event.start - producer.end)
     return statistics.fmean(delays) if delays else None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -24,6 +25,8 @@ from pipeline.options import (
     default_devices,
 )
 from pipeline.stage import ChunkOptions
+
+RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
 
 class Pipe:
@@ -148,6 +151,8 @@ class Pipe:
         self._balance = self._resolve_balance(sample)
         self._runner: Any = None
         self._timeline: Timeline | None = None
+        # The last few steps' measured timelines (rank 0 with a group), which refine predict().
+        self._recent: collections.deque[Timeline] = collections.deque(maxlen=RECENT_STEPS)
         if self._balance is not None:
             self._build_runner()
 
@@ -209,6 +214,7 @@ class Pipe:
 
     def _build_runner(self) -> None:
         assert self._balance is not None
+        self._recent.clear()
         if self._group is None:
             from pipeline.local import LocalRunner
 
@@ -349,6 +355,8 @@ class Pipe:
             weights = [w * scale for w in weights]
         loss, timeline = self._runner.run_step(inputs, targets, weights)
         self._timeline = timeline
+        if timeline is not None:
+            self._recent.append(timeline)
         if scale != 1.0 and self._group is not None:
             share_overflow(self.parameters(), self._group, self.timeout)
         return loss / scale if scale != 1.0 else loss
@@ -365,8 +373,10 @@ class Pipe:
         comparable with ``pipe.timeline.makespan`` after a ``step``; ``peak_bytes``
         and ``memory`` hold each stage's predicted bytes (parameters, gradients,
         the optimizer's state, receive buffers and the activations the schedule
-        holds). After a ``step`` the hop latency is refined from that step's measured
-        timeline (the delays its waiting stages saw). ``pipeline.predict.predict_step``
+        holds). After steps the prediction is refined from the measured timelines of
+        the last few (up to ``RECENT_STEPS``): the hop latency from the delays their
+        waiting stages saw, each stage's compute from its median busy time.
+        ``pipeline.predict.predict_step``
         returns the costs beside the Timeline.
 
         Args:
@@ -389,7 +399,7 @@ class Pipe:
         self._ensure_runner(x)
         return predict_step(self._runner, inputs, targets, optimizer=optimizer,
                             group=self._group, timeout=self.timeout,
-                            measured=self._timeline).timeline
+                            measured=tuple(self._recent) or None).timeline
 
     def __call__(self, x: Any) -> Any:
         """Forwards only; returns the merged output on the last device (on the last rank).

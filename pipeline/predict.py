@@ -18,6 +18,8 @@ for a recomputed one), as ``schedules.simulate`` traces them.
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,7 +111,7 @@ def predict_step(
     optimizer: torch.optim.Optimizer | None = None,
     group: Any = None,
     timeout: float = 60.0,
-    measured: Timeline | None = None,
+    measured: Timeline | Sequence[Timeline] | None = None,
 ) -> Prediction:
     """Measure this runner's chunks, gather every stage's costs and simulate the step.
 
@@ -121,12 +123,13 @@ def predict_step(
         optimizer: counted for its state (Adam: two tensors per parameter).
         group: the pipeline's process group, or None in one process.
         timeout: seconds any collective may wait.
-        measured: a measured Timeline of an earlier step of this runner (where there is
-            one: rank 0 with a group), to refine the prediction: the hop latency from the
-            delays its waiting consumers saw (``calibration.measured_hop_delay``), and each
-            stage's compute by the ratio of its measured busy time to the one predicted
-            (ranks computing at once on shared cores, or threads sharing the GIL, run
-            slower than a chunk timed alone). None keeps the probes' and the ping-pong's.
+        measured: measured Timelines of earlier steps of this runner (where there are
+            some: rank 0 with a group), or one, to refine the prediction: the hop latency
+            from the delays their waiting consumers saw (``calibration.measured_hop_delay``,
+            pooled over the steps), and each stage's compute by the ratio of its median
+            measured busy time to the one predicted (ranks computing at once on shared
+            cores, or threads sharing the GIL, run slower than a chunk timed alone).
+            None keeps the probes' and the ping-pong's.
 
     Returns:
         The Prediction, the same on every rank.
@@ -141,8 +144,12 @@ def predict_step(
     local, failure = _measure_chunks(runner, inputs, targets, largest, group, timeout)
     overhead = action_overhead(_any_device(runner))
     fixed_local = _fixed_bytes(runner, optimizer, local)
-    delay = None if measured is None else measured_hop_delay(schedule, measured)
-    busy = None if measured is None else measured.busy
+    steps = (measured,) if isinstance(measured, Timeline) else tuple(measured or ())
+    delay = measured_hop_delay(schedule, *steps) if steps else None
+    busy = None
+    if steps:
+        busy = tuple(statistics.median(step.busy[s] for step in steps)
+                     for s in range(schedule.stages))
     if group is None:
         chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
     else:

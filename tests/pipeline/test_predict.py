@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -199,3 +200,22 @@ def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> Non
     for stage in range(2):
         assert refined.busy[stage] == pytest.approx(measured.busy[stage], rel=1e-9)
     assert refined.busy != before.busy
+
+
+def test_after_several_steps_each_stage_computes_its_median_measured_busy_time() -> None:
+    from pipeline import Pipe
+    from pipeline.pipe import RECENT_STEPS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    pipe = Pipe(model, chunks=4, balance=[2, 4], devices=["cpu", "cpu"],
+                loss_fn=torch.nn.MSELoss())
+    measured = []
+    for _ in range(RECENT_STEPS + 2):  # the oldest two fall out
+        pipe.step(x, y)
+        measured.append(pipe.timeline)
+    refined = pipe.predict(x, y)
+    for stage in range(2):
+        median = statistics.median(t.busy[stage] for t in measured[-RECENT_STEPS:])
+        assert refined.busy[stage] == pytest.approx(median, rel=1e-9)
