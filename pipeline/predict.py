@@ -28,6 +28,7 @@ import torch
 from schedules import Costs, Schedule, Timeline, simulate
 
 from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, refined
+from pipeline.contention import ChunkWork, contended, factor_across_ranks
 from pipeline.microbatch import batch_size, split, to_device
 from pipeline.payload import map_tensors
 from pipeline.probe import ChunkCosts, probe_chunk
@@ -66,6 +67,9 @@ class Prediction:
         fixed: per stage, the bytes held throughout.
         overhead: per stage, the executor's seconds per action, added to each action.
         hops: the calibrated hop model.
+        contention: per stage, how much slower its chunks computed with every stage
+            computing at once than alone (``pipeline.contention``); 1.0 where stages
+            do not share cores.
     """
 
     timeline: Timeline
@@ -74,6 +78,7 @@ class Prediction:
     fixed: tuple[FixedBytes, ...]
     overhead: tuple[float, ...]
     hops: HopModel
+    contention: tuple[float, ...] = ()
 
     @property
     def peak_activation_bytes(self) -> tuple[float, ...]:
@@ -141,7 +146,8 @@ def predict_step(
     schedule: Schedule = runner.schedule
     rows = _rows(inputs, targets, group, timeout, runner)
     largest = max(range(len(rows)), key=lambda m: rows[m])
-    local, failure = _measure_chunks(runner, inputs, targets, largest, group, timeout)
+    local, failure, work = _measure_chunks(runner, inputs, targets, largest, group, timeout)
+    factor, failure = _contention(runner, work, failure, group, timeout)
     overhead = action_overhead(_any_device(runner))
     fixed_local = _fixed_bytes(runner, optimizer, local)
     steps = (measured,) if isinstance(measured, Timeline) else tuple(measured or ())
@@ -152,22 +158,24 @@ def predict_step(
                      for s in range(schedule.stages))
     if group is None:
         chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
+        factors = factor
     else:
-        chunks, overheads, fixed, delay, busy = _gather(
-            runner, (local, overhead, fixed_local, failure, delay, busy), group, timeout)
+        chunks, overheads, fixed, delay, busy, factors = _gather(
+            runner, (local, overhead, fixed_local, failure, delay, busy, factor), group, timeout)
     hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
         hops = refined(hops, delay, sum(payloads) / max(len(payloads), 1))
     costs = build_costs(schedule, chunks, overheads, fixed, hops, rows,
                         runner.chunks[next(iter(runner.chunks))].options.checkpoint)
-    timeline = simulate(schedule, costs=costs)
+    costs, timeline = contended(costs, schedule, factors, slowed)
     if busy is not None:
         costs = slowed(costs, schedule, [b / p if p > 0 else 1.0
                                          for b, p in zip(busy, timeline.busy)])
         timeline = simulate(schedule, costs=costs)
     return Prediction(timeline, costs, tuple(chunks[c] for c in range(schedule.chunks)),
-                      tuple(fixed[s] for s in range(schedule.stages)), overheads, hops)
+                      tuple(fixed[s] for s in range(schedule.stages)), overheads, hops,
+                      tuple(factors))
 
 
 def build_costs(
@@ -219,7 +227,7 @@ def slowed(costs: Costs, schedule: Schedule, factors: list[float]) -> Costs:
     factor = [factors[schedule.placement[c]] for c in range(schedule.chunks)]
 
     def scale(values: Any) -> Any:
-        return [v * f for v, f in zip(values, factor)]
+        return None if values is None else [v * f for v, f in zip(values, factor)]
 
     return replace(costs, forward=scale(costs.forward), backward=scale(costs.backward),
                    input_grad=scale(costs.input_grad), weight_grad=scale(costs.weight_grad))
@@ -249,15 +257,17 @@ def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: Any, timeo
 
 def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | None,
                     largest: int, group: Any, timeout: float
-                    ) -> tuple[dict[int, ChunkCosts], str | None]:
+                    ) -> tuple[dict[int, ChunkCosts], str | None, dict[int, ChunkWork]]:
     """Each local chunk's costs, its input the previous chunk's output for the largest
-    micro-batch (sent on from rank to rank where the placement crosses), and the first
-    failure on any rank so far (in one process a failure raises at once)."""
+    micro-batch (sent on from rank to rank where the placement crosses), the first
+    failure on any rank so far (in one process a failure raises at once), and each
+    local chunk with the input and target it was probed on."""
     schedule: Schedule = runner.schedule
     chunks: dict[int, ChunkRunner] = runner.chunks
     split_backward = bool(schedule.split_backward)
     recompute = chunks[next(iter(chunks))].options.checkpoint != "never"
     measured: dict[int, ChunkCosts] = {}
+    work: dict[int, ChunkWork] = {}
     carried: Any = None
     failure: str | None = None
     for c in range(schedule.chunks):
@@ -271,9 +281,11 @@ def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | 
                         raise ValueError(f"predict() needs the target on the rank of the last "
                                          f"chunk (stage {schedule.placement[c]}), got None")
                     target = to_device(targets[largest], chunk.device)
-                cost, carried = probe_chunk(chunk, to_device(source, chunk.device), target,
-                                            schedule.microbatches, split_backward, recompute)
+                source = to_device(source, chunk.device)
+                cost, carried = probe_chunk(chunk, source, target, schedule.microbatches,
+                                            split_backward, recompute)
                 measured[c] = cost
+                work[c] = (chunk, source, target)
             except Exception as error:  # shared below, so that no rank waits in vain
                 failure = f"{type(error).__name__}: {error}"
                 if group is None:
@@ -282,7 +294,20 @@ def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | 
                 and schedule.placement[c + 1] != schedule.placement[c]:
             carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
                                         group, timeout, runner.device)
-    return measured, failure
+    return measured, failure, work
+
+
+def _contention(runner: Any, work: dict[int, ChunkWork], failure: str | None, group: Any,
+                timeout: float) -> tuple[tuple[float, ...], str | None]:
+    """The contention factors of this process's stages (``pipeline.contention``) and the
+    failure so far. With a group every rank takes part, failed or not."""
+    schedule: Schedule = runner.schedule
+    if group is None:
+        return (1.0,) * schedule.stages, failure
+    mine = [] if failure is not None else [work[c] for c in sorted(work)]
+    factor, failed = factor_across_ranks(mine, schedule.microbatches, group, timeout,
+                                         runner.device)
+    return (factor,), failure or failed
 
 
 def _chunk_input(chunk: int, inputs: list[Any] | None, carried: Any, largest: int) -> Any:
@@ -387,10 +412,11 @@ def _receive_buffers(runner: Any, stage: int, measured: dict[int, ChunkCosts]) -
 
 def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
             ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
-                       float | None, tuple[float, ...] | None]:
-    """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time)
-    on every rank: the chunks' costs, the overheads by stage, the fixed bytes, the first
-    hop delay and busy times measured; a failure raises on all of them."""
+                       float | None, tuple[float, ...] | None, tuple[float, ...]]:
+    """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time,
+    contention factors) on every rank: the chunks' costs, the overheads by stage, the fixed
+    bytes, the first hop delay and busy times measured, the contention factors by stage; a
+    failure raises on all of them."""
     from pipeline.collectives import gather_objects
 
     everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
@@ -400,10 +426,11 @@ def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
         raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")
     measured: dict[int, ChunkCosts] = {}
     all_fixed: dict[int, FixedBytes] = {}
-    for costs, _, stage_fixed, _, _, _ in everyone:
+    for costs, _, stage_fixed, _, _, _, _ in everyone:
         measured.update(costs)
         all_fixed.update(stage_fixed)
     delays = [entry[4] for entry in everyone if entry[4] is not None]
     busy = [entry[5] for entry in everyone if entry[5] is not None]
     return (measured, tuple(entry[1] for entry in everyone), all_fixed,
-            delays[0] if delays else None, busy[0] if busy else None)
+            delays[0] if delays else None, busy[0] if busy else None,
+            tuple(factor for entry in everyone for factor in entry[6]))

@@ -98,19 +98,19 @@ def probe_chunk(
         The ChunkCosts and the chunk's output for this micro-batch (detached; the
         loss for the last chunk).
     """
-    with _untouched(chunk):
-        counting = _probe_runner(chunk, "never", tracked=True)
+    with untouched(chunk):
+        counting = probe_runner(chunk, "never", tracked=True)
         counting.begin_step(0, microbatches, split)
         output, saved = _saved_by_forward(counting, inputs, target)
         counting.begin_step(0, microbatches, False)
         # Timed as the runtime runs: with the tracker's hooks only if the Pipe has them.
         tracked = chunk.tracker is not None
-        graph = _probe_runner(chunk, "never", tracked)
+        graph = probe_runner(chunk, "never", tracked)
         graph.begin_step(0, microbatches, split)
         plain = _time_runs(graph, inputs, target, split, warmup, repeat)
         again = plain
         if recompute:
-            redo = _probe_runner(chunk, "always", tracked)
+            redo = probe_runner(chunk, "always", tracked)
             redo.begin_step(0, microbatches, split)
             again = _time_runs(redo, inputs, target, split, warmup, repeat)
             redo.begin_step(0, microbatches, False)
@@ -131,7 +131,7 @@ def probe_chunk(
     return costs, output
 
 
-def _probe_runner(chunk: ChunkRunner, checkpoint: str, tracked: bool) -> ChunkRunner:
+def probe_runner(chunk: ChunkRunner, checkpoint: str, tracked: bool) -> ChunkRunner:
     """A runner over the chunk's own layers with another checkpoint mode and, if ``tracked``,
     its own activation tracker."""
     parameters = list(chunk.layers.parameters())
@@ -152,7 +152,7 @@ def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any) -> tuple[An
     return output, saved
 
 
-def _ones_like_outputs(output: Any, is_last: bool) -> tuple[torch.Tensor, ...] | None:
+def ones_like_outputs(output: Any, is_last: bool) -> tuple[torch.Tensor, ...] | None:
     if is_last:
         return None
     return tuple(torch.ones_like(t) for t in flatten(output).leaves if differentiable(t))
@@ -168,7 +168,7 @@ def _time_runs(runner: ChunkRunner, inputs: Any, target: Any, split: bool, warmu
         microbatch = 2 * index + 1  # never 0: the first micro-batch of a step probes RNG use
         output = _timed(device, times["F"] if keep else [],
                         lambda: runner.forward(microbatch, inputs, target, 1.0))
-        grads = _ones_like_outputs(output, is_last)
+        grads = ones_like_outputs(output, is_last)
         _timed(device, times["B"] if keep else [], lambda: runner.backward(microbatch, grads))
         if not split:
             continue
@@ -192,7 +192,7 @@ def _timed(device: torch.device, into: list[float], work: Callable[[], Any]) -> 
 
 
 @contextmanager
-def _untouched(chunk: ChunkRunner) -> Iterator[None]:
+def untouched(chunk: ChunkRunner) -> Iterator[None]:
     """Afterwards ``.grad``, buffers and the global RNG state are as before the body."""
     parameters = list(dict.fromkeys(chunk.layers.parameters()))
     grads = [p.grad for p in parameters]

@@ -97,3 +97,19 @@ def predict_missing_target(rank: int, world: int) -> str:
     finally:
         pipe.close()
     return "no error"
+
+
+def predict_contention(rank: int, world: int) -> dict[str, Any]:
+    """predict_step's contention factors, and the rank's own loop timed alone and at once."""
+    from pipeline import Pipe
+    from pipeline.predict import predict_step, split_batch
+
+    torch.set_num_threads(1)
+    pipe = Pipe(bn_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.CrossEntropyLoss(),
+                group=dist.group.WORLD)
+    x, y = batch()
+    inputs, targets = split_batch(x if rank == 0 else None, y if rank == world - 1 else None,
+                                  4, in_process=False)
+    prediction = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
+    pipe.close()
+    return {"contention": prediction.contention, "makespan": prediction.timeline.makespan}
