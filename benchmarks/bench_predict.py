@@ -104,6 +104,7 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
         mine_x = x if placement[0] == rank else None
         mine_y = target if placement[-1] == rank else None
         inputs, targets = split_batch(mine_x, mine_y, microbatches, in_process=False)
+        speed_before = reference_seconds()
         before = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
         warm = []
         for _ in range(warmup):
@@ -112,8 +113,10 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
             warm.append(pipe.timeline)
         after = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD,
                              measured=tuple(warm) if rank == 0 else None)
-        timelines, memory = [], []
+        timelines, memory, speed = [], [], []
         for _ in range(steps):
+            speed.append(reference_seconds())
+            dist.barrier()
             pipe.zero_grad()
             pipe.step(mine_x, mine_y)
             timelines.append(pipe.timeline)
@@ -124,8 +127,24 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
             "memory": statistics.median(memory),
             "before": before if rank == 0 else None, "after": after if rank == 0 else None,
             "timelines": timelines if rank == 0 else None,
+            "drift": statistics.median(speed) / speed_before,
         })
     return results
+
+
+def reference_seconds() -> float:
+    """Median seconds of a fixed piece of work (matrix products and Python calls): the
+    machine's speed of the moment, to tell a VM slowing down from a model that is wrong."""
+    import torch
+
+    a = torch.ones(192, 192)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            a = torch.tanh(a @ a / 192.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -149,7 +168,7 @@ def report(by_cell: dict[tuple[str, str, int], list[dict[str, Any]]]) -> list[tu
     rows = []
     header = (f"{'model':<5} {'schedule':<17} {'M':>3} | {'measured':>8} {'before':>8} {'err':>6} "
               f"{'refined':>8} {'err':>6} | {'bubble':>6} {'before':>6} {'refined':>7} | "
-              f"{'act. KiB':>8} {'pred.':>8} {'err':>6}")
+              f"{'act. KiB':>8} {'pred.':>8} {'err':>6} | {'drift':>5} contention")
     print(header)
     print("-" * len(header))
     for cell, entries in by_cell.items():
@@ -160,16 +179,18 @@ def report(by_cell: dict[tuple[str, str, int], list[dict[str, Any]]]) -> list[tu
         measured = statistics.median(t.makespan for t in timelines)
         measured_memory = max(e["memory"] for e in entries)
         predicted_memory = max(after.peak_activation_bytes)
+        drift = max(e["drift"] for e in entries)
         row = (cell, measured, before.timeline.makespan, after.timeline.makespan,
                median.bubble_fraction, before.timeline.bubble_fraction,
                after.timeline.bubble_fraction, measured_memory, predicted_memory, median,
-               after.timeline)
+               after.timeline, drift, before.contention)
         rows.append(row)
         print(f"{cell[0]:<5} {cell[1]:<17} {cell[2]:>3} | {1e3 * measured:8.2f} "
               f"{1e3 * row[2]:8.2f} {_error(row[2], measured):+6.1%} {1e3 * row[3]:8.2f} "
               f"{_error(row[3], measured):+6.1%} | {row[4]:6.3f} {row[5]:6.3f} {row[6]:7.3f} | "
               f"{measured_memory / 1024:8.1f} {predicted_memory / 1024:8.1f} "
-              f"{_error(predicted_memory, measured_memory):+6.1%}")
+              f"{_error(predicted_memory, measured_memory):+6.1%} | {drift:5.2f} "
+              f"{' '.join(f'{f:.2f}' for f in before.contention)}")
     return rows
 
 
@@ -181,6 +202,10 @@ def summary(rows: list[tuple[Any, ...]]) -> None:
         print(f"makespan {label:>7}: {within}/{len(rows)} cells within {BAR:.0%}, median "
               f"|err| {statistics.median(errors):.1%}, worst {_error(rows[worst][index], rows[worst][1]):+.1%} at "
               f"{rows[worst][0]}")
+    steady = [abs(_error(r[2] * r[11], r[1])) for r in rows]
+    print(f"makespan before x drift: {sum(e <= BAR for e in steady)}/{len(rows)} cells within "
+          f"{BAR:.0%}, median |err| {statistics.median(steady):.1%} (the machine's change of "
+          f"speed between prediction and measurement taken out)")
     memory = [abs(_error(r[8], r[7])) for r in rows]
     worst = max(range(len(rows)), key=lambda i: memory[i])
     print(f"peak activation memory: {sum(e <= BAR for e in memory)}/{len(rows)} cells within "
@@ -219,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 gloo ranks, one thread each, checkpoint='except_last'; ms; measured = median of "
           f"{args.steps} steps after {args.warmup} warm-up; before = predicted before any step, "
           f"refined = from the warm-up steps' timelines; act. = peak activation bytes of "
-          f"the busiest stage (pipe.memory) vs predicted")
+          f"the busiest stage (pipe.memory) vs predicted; drift = a fixed reference "
+          f"workload's time during the measured steps over its time before the prediction "
+          f"(> 1: the machine slowed down); contention = per stage, predict()'s factor")
     rows = report(by_cell)
     print()
     summary(rows)
