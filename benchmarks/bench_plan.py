@@ -1,6 +1,7 @@
 """Time ``partitioners.plan``, and check its pick against every configuration measured.
 
     python benchmarks/bench_plan.py [--layers 100] [--stages 8] [--repeat 3] [--steps 5]
+                                    [--ranks 1|2]
 
 1. Planning time for ``--layers`` random layers on ``--stages`` stages (a 256-row
    batch, costs scaled linearly from one size, a ``Link`` hop), cold (schedules
@@ -10,6 +11,19 @@
    no recomputation) measured one by one, round-robin so that load hits all
    alike, the median step of each; then the plan's pick (from a profile of the
    same model and a calibrated hop). Bar: the pick within 5% of the best measured.
+
+With ``--ranks 2``, part 2 runs on two gloo processes of this host instead (one torch
+thread each; benchmarks/_plan_ranks.py): the same MLP with a 256-row batch, planned on
+rank 0 (``plan_for_model``, M in {4, 8, 16}, no recomputation, every candidate kept,
+the hop calibrated by a gloo ping-pong); every candidate runs as a ``Pipe`` over the
+group, and torch.distributed.pipelining's GPipe and 1F1B at the same Ms on the pick's
+cut, all round-robin, a barrier before each step, a step's time the slower rank's,
+the median after a warm-up round (of the steps no other process's burst overlapped,
+where enough were quiet). It prints every candidate predicted and measured,
+the pick against the best measured (same 5% bar) and against torch's best; then plans
+under a memory limit of 80% of the pick's peak and runs that pick with
+``memory_report=True``: per stage, the predicted and the measured peak (parameters and
+gradients plus saved activations) against the limit. About a minute or two.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from _plan_ranks import run as run_on_two_ranks  # noqa: E402
 from examples.models import uneven_mlp  # noqa: E402
 from partitioners import LayerCost, LossCost, Profile, plan, plan_for_model  # noqa: E402
 from partitioners.plan_costs import linear_costs  # noqa: E402
@@ -129,9 +144,14 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1,
+                        help="part 2 in one process (1) or on two gloo ranks (2)")
     args = parser.parse_args()
     planning_time(args.layers, args.stages, args.repeat)
-    measure_all(args.steps)
+    if args.ranks == 1:
+        measure_all(args.steps)
+    else:
+        run_on_two_ranks(args.steps)
 
 
 if __name__ == "__main__":
