@@ -130,6 +130,7 @@ def plan(
     checkpoints: Sequence[str] = CHECKPOINTS,
     *,
     optimizer_factor: float = 0.0,
+    action_overhead: float = 0.0,
     prune: bool = True,
 ) -> Plan:
     """The fastest predicted plan whose every stage fits ``memory_limit``.
@@ -169,6 +170,9 @@ def plan(
         schedules: registered names to search; None: all (``schedule_names()``).
         checkpoints: recomputation modes to search.
         optimizer_factor: optimizer-state bytes per parameter byte (2 for Adam).
+        action_overhead: the runtime's own seconds per action (F, B, I or W), beside
+            the compute (``pipeline.calibration.action_overhead`` measures it); it
+            makes more micro-batches and more chunks cost what they do.
         prune: skip candidates whose makespan bound exceeds the best found; False
             simulates every candidate (same pick, all of them in ``candidates``).
 
@@ -180,8 +184,10 @@ def plan(
             names the smallest limit that would fit and the plan that fits it.
     """
     _check_counts(stages, batch)
+    if not (isinstance(action_overhead, (int, float)) and 0 <= action_overhead < math.inf):
+        raise ValueError(f"action_overhead: expected seconds >= 0, got {action_overhead!r}")
     search = _Search(CostTable(costs), stages, batch, check_limit(memory_limit),
-                     0.0 if hop is None else hop, optimizer_factor)
+                     0.0 if hop is None else hop, optimizer_factor, float(action_overhead))
     names = check_names(schedules)
     modes = check_checkpoints(checkpoints)
     counts = microbatch_counts_for(costs, stages, batch, microbatch_counts)
@@ -236,9 +242,9 @@ class _Search:
     """One planning run: the inputs, and its cuts, each computed once."""
 
     def __init__(self, table: CostTable, stages: int, batch: int, limit: float | None,
-                 hop: Hop, optimizer_factor: float) -> None:
+                 hop: Hop, optimizer_factor: float, overhead: float) -> None:
         self.table, self.stages, self.batch, self.limit = table, stages, batch, limit
-        self.hop, self.optimizer_factor = hop, optimizer_factor
+        self.hop, self.optimizer_factor, self.overhead = hop, optimizer_factor, overhead
         self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}
         self._memory_cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = {}
 
@@ -271,7 +277,7 @@ class _Search:
     def bound(self, name: str, options: Options, microbatches: int, checkpoint: str,
               cut: tuple[int, ...]) -> float:
         info = schedule_info(name)
-        sums = chunk_sums(self.table.at(self.rows(microbatches)), cut)
+        sums = chunk_sums(self.table.at(self.rows(microbatches)), cut, self.overhead)
         scale = microbatch_scale(self.batch, microbatches) or (1.0,) * microbatches
         placement = _placement(info.placement, self.stages, len(cut))
         return makespan_lower_bound(sums, placement, info.split_backward, scale,
@@ -318,7 +324,8 @@ class _Search:
 
     def simulate(self, entry: _Entry) -> Candidate:
         schedule = build(entry.name, self.stages, entry.microbatches, entry.options)
-        sums = chunk_sums(self.table.at(self.rows(entry.microbatches)), entry.balance)
+        sums = chunk_sums(self.table.at(self.rows(entry.microbatches)), entry.balance,
+                          self.overhead)
         costs = candidate_costs(sums, microbatch_scale(self.batch, entry.microbatches),
                                 entry.checkpoint, self.hop, self.optimizer_factor)
         timeline = simulate(schedule, costs=costs)
@@ -350,6 +357,7 @@ def plan_for_model(
     schedules: Sequence[str] | None = None,
     checkpoints: Sequence[str] = CHECKPOINTS,
     optimizer_factor: float = 0.0,
+    action_overhead: float = 0.0,
     warmup: int = 1,
     repeat: int = 3,
     prune: bool = True,
@@ -369,7 +377,7 @@ def plan_for_model(
         stages: pipeline stages P.
         batch: rows per step; None: the sample's rows.
         memory_limit, hop, microbatch_counts, schedules, checkpoints,
-            optimizer_factor: as for ``plan``.
+            optimizer_factor, action_overhead: as for ``plan``.
         devices: the stages' devices; profiling runs on the first (None: cpu).
         warmup, repeat: as for ``profile``.
         prune: as for ``plan`` (False: every candidate simulated, e.g. to draw them all).
@@ -399,4 +407,5 @@ def plan_for_model(
                        progress=False, microbatch_size=size, loss_fn=loss_fn, target=target)
 
     return plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
-                checkpoints, optimizer_factor=optimizer_factor, prune=prune)
+                checkpoints, optimizer_factor=optimizer_factor,
+                action_overhead=action_overhead, prune=prune)

@@ -49,11 +49,13 @@ class ChunkSums:
     inputs: tuple[int, ...]
 
 
-def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int]) -> ChunkSums:
+def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
+               overhead: float = 0.0) -> ChunkSums:
     """Sum ``costs`` over the chunks of the cut ``sizes`` (layers per chunk, in order).
 
     A ``Profile``'s loss is charged to the last chunk: its forward after the last
-    layer's, its backward (an input gradient) before the last layer's.
+    layer's, its backward (an input gradient) before the last layer's. ``overhead``
+    seconds (the runtime's own work per action) are added to each F, B, I and W.
     """
     loss = costs.loss if isinstance(costs, Profile) else None
     ends = list(accumulate(sizes, initial=0))
@@ -68,7 +70,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int]) -> ChunkSums:
         if input_grad + weight_grad == 0:  # measured without a split backward
             input_grad = weight_grad = backward / 2
         for name, value in zip(fields, (forward, backward, input_grad, weight_grad)):
-            fields[name].append(value)
+            fields[name].append(value + overhead)
         saved.append(sum(cost.saved_bytes for cost in layers))
         params.append(sum(cost.param_bytes for cost in layers))
         inputs.append(costs[first - 1].activation_bytes if first else 0)

@@ -38,7 +38,8 @@ from pipeline.transports.base import PeerError
 
 SMALL_BYTES = 64
 LARGE_BYTES = 1 << 20
-ROUNDS = 5  # timed ping-pongs per size, after one untimed
+ROUNDS = 15  # timed ping-pongs per size (the median is kept)
+UNTIMED = 5  # ping-pongs first: the first ones after idle time read up to 10x slower
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def _ping_pong(group: Any, peer: int, leads: bool, device: torch.device, timeout
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         tag = 1_000_000 + pair * 2 + size_index
         trips = []
-        for round_index in range(ROUNDS + 1):
+        for round_index in range(UNTIMED + ROUNDS):
             start = time.perf_counter()
             if leads:
                 _wait(dist.isend(buffer, global_peer, group=group, tag=tag), timeout, peer)
@@ -165,7 +166,7 @@ def _ping_pong(group: Any, peer: int, leads: bool, device: torch.device, timeout
             else:
                 _wait(dist.irecv(buffer, global_peer, group=group, tag=tag), timeout, peer)
                 _wait(dist.isend(buffer, global_peer, group=group, tag=tag), timeout, peer)
-            if round_index:
+            if round_index >= UNTIMED:
                 trips.append((time.perf_counter() - start) / 2)
         found.append(statistics.median(trips))
     return found[0], found[1]
@@ -213,7 +214,7 @@ def _thread_ping_pong(first: torch.device, second: torch.device,
         payload = torch.zeros(nbytes, dtype=torch.uint8, device=first)
         errors: list[BaseException] = []
 
-        def echo(rounds: int = ROUNDS + 1) -> None:
+        def echo(rounds: int = UNTIMED + ROUNDS) -> None:
             try:
                 for index in range(rounds):
                     received = _synced(ends[1].receive((Op.F, index, 0), 0), second)
@@ -224,11 +225,11 @@ def _thread_ping_pong(first: torch.device, second: torch.device,
         helper = threading.Thread(target=echo, name="pipesched-calibration", daemon=True)
         helper.start()
         trips = []
-        for index in range(ROUNDS + 1):
+        for index in range(UNTIMED + ROUNDS):
             start = time.perf_counter()
             ends[0].send((Op.F, index, 0), 1, payload)
             payload = _synced(ends[0].receive((Op.B, index, 0), 1), first)
-            if index:
+            if index >= UNTIMED:
                 trips.append((time.perf_counter() - start) / 2)
         helper.join(timeout)
         if errors:

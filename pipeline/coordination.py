@@ -55,7 +55,11 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
             f"schedule='auto' or a name with chunks='auto', got a {type(schedule).__name__}"
         )
 
+    hop = _calibrated_hop(stages, devices, group, timeout)  # every rank takes part
+
     def make() -> Any:
+        from pipeline.calibration import action_overhead
+
         if sample is None:
             raise ValueError(
                 "chunks='auto' or schedule='auto' needs a batch to profile: pass sample=x "
@@ -64,6 +68,7 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
         first = sample[0] if isinstance(sample, list) else sample
         return plan_for_model(
             model, first, stages=stages, memory_limit=memory_limit, devices=list(devices)[:1],
+            hop=hop, action_overhead=action_overhead(devices[0]),
             microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
             schedules=None if schedule == "auto" else [schedule],
             checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
@@ -71,6 +76,24 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
         )
 
     return on_rank_zero(make, group, timeout, "planning")
+
+
+def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: Any,
+                    timeout: float) -> Any:
+    """The hop between the first two stages, calibrated as ``Pipe.predict``'s is (a ping-pong
+    across ranks, or between two stage threads), taken for every pair: a ``schedules.Link``,
+    or None with one stage."""
+    from pipeline.calibration import calibrate_group, calibrate_local
+    from schedules import get_schedule
+
+    if stages < 2:
+        return None
+    chain = get_schedule("1f1b", stages=stages, microbatches=stages)
+    if group is None:
+        hops = calibrate_local(list(devices), chain, timeout)
+    else:
+        hops = calibrate_group(group, chain, devices[0], timeout)
+    return hops.link(0, 1)
 
 
 def share_overflow(parameters: Iterable[torch.nn.Parameter], group: Any, timeout: float) -> None:

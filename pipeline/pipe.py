@@ -423,9 +423,10 @@ class Pipe:
     # -- model-like helpers ---------------------------------------------------------------
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this process holds (all of them in one process), each once."""
+        """The parameters this process holds (all of them in one process), each once; after
+        ``close``, those it held (a rank's share of the model stays where it was)."""
         if self._runner is None:
-            return self.model.parameters()
+            return (p for p in self.model.parameters() if not p.is_meta)
         return self._runner.parameters()
 
     def train(self, mode: bool = True) -> Pipe:

@@ -22,6 +22,7 @@ from partitioners.plan_costs import (
 )
 from partitioners.plan_cuts import cut_memory, memory_capped_cut, time_cut
 from partitioners.plan_space import default_microbatch_counts, variants
+from schedules import Costs as ScheduleCosts
 from schedules import Link, get_schedule, schedule_info, schedule_names, simulate
 
 Costs = Callable[[int], Sequence[LayerCost]]
@@ -216,3 +217,19 @@ def test_bad_arguments(kwargs: dict[str, object], message: str) -> None:
 def test_costs_of_the_wrong_type() -> None:
     with pytest.raises(TypeError, match="costs: expected a mapping"):
         plan([LayerCost(forward=1.0, backward=2.0)] * 4, stages=2, batch=8)  # type: ignore[arg-type]
+
+
+def test_the_runtimes_overhead_is_added_to_every_action() -> None:
+    layers = linear_costs([LayerCost(forward=1.0, backward=2.0, saved_bytes=10)] * 4, rows=1)
+    bare = plan(layers, stages=2, batch=4, schedules=["gpipe"], microbatch_counts=[4],
+                checkpoints=["never"])
+    paid = plan(layers, stages=2, batch=4, schedules=["gpipe"], microbatch_counts=[4],
+                checkpoints=["never"], action_overhead=0.25)
+    schedule = get_schedule("gpipe", stages=2, microbatches=4)
+    # Each stage's chunk: 2 layers, F = 2 + 0.25, B = 4 + 0.25, at one row per micro-batch.
+    expected = simulate(schedule, costs=ScheduleCosts(forward=[2.25, 2.25],
+                                                    backward=[4.25, 4.25]))
+    assert paid.step_time == pytest.approx(expected.makespan)
+    assert paid.step_time > bare.step_time
+    with pytest.raises(ValueError, match="action_overhead"):
+        plan(layers, stages=2, batch=4, action_overhead=-1.0)

@@ -574,3 +574,16 @@ def failed_profile_on_rank_zero(rank: int, world: int) -> Any:
     except Exception as error:  # noqa: BLE001 - the test reads the type and text
         return type(error).__name__, str(error)[:200], time.monotonic() - started
     return "built", "", time.monotonic() - started
+
+
+def parameters_after_close(rank: int, world: int) -> tuple[int, int]:
+    """Parameter elements this rank's Pipe reports before and after ``close``."""
+    from pipeline import Pipe
+
+    pipe = Pipe(deep_mlp(), chunks=2, schedule="1f1b", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD)
+    x, y = batch()
+    pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+    before = sum(p.numel() for p in pipe.parameters())
+    pipe.close()
+    return before, sum(p.numel() for p in pipe.parameters())

@@ -19,9 +19,11 @@ from dist_workers import (
     silent_peer,
     clipping,
     data_parallel,
+    deep_mlp,
     disagreement,
     failing_rank,
     meta_init,
+    parameters_after_close,
     repeated_steps,
     state_and_inference,
     variable_lengths,
@@ -195,3 +197,9 @@ def test_a_failed_profile_on_rank_zero_fails_every_rank_at_once() -> None:
     assert results[0][0] != "built" and results[1][0] == "ValueError"
     assert "rank 0 failed in balance" in results[1][1]
     assert all(seconds < 15 for _, _, seconds in results)  # not the 20 s timeout, nor 30 min
+
+
+def test_a_closed_pipe_reports_only_the_parameters_its_rank_held() -> None:
+    counts = run_ranks(parameters_after_close, 2)
+    assert [after for _, after in counts] == [before for before, _ in counts]
+    assert sum(before for before, _ in counts) == sum(p.numel() for p in deep_mlp().parameters())
