@@ -36,7 +36,7 @@ from _spawn import LoadMonitor, run_ranks
 from examples.models import uneven_mlp
 from partitioners import Plan, Profile, plan, profile
 from pipeline import Pipe
-from pipeline.calibration import calibrate_group
+from pipeline.calibration import action_overhead, calibrate_group
 from pipeline.coordination import on_rank_zero
 from schedules import Link, get_schedule
 
@@ -146,7 +146,8 @@ def plans_on_rank_zero(hop: Link) -> tuple[Plan, Plan | None]:
     def make() -> tuple[Plan, Plan | None]:
         costs = profiled_costs()
         options: dict[str, Any] = {"hop": hop, "microbatch_counts": COUNTS,
-                                   "checkpoints": ["never"], "prune": False}
+                                   "checkpoints": ["never"], "prune": False,
+                                   "action_overhead": action_overhead(torch.device("cpu"))}
         chosen = plan(costs, STAGES, BATCH, **options)
         limit = memory_limit_for(chosen)
         limited = None if limit is None else plan(costs, STAGES, BATCH, limit, **options)
