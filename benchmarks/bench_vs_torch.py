@@ -140,6 +140,26 @@ class Ours:
         return _grad_sq(self.pipe.parameters())
 
 
+class OursThreads:
+    """Our Pipe in one process, a thread per stage (rank 0 only; the other rank idles)."""
+
+    def __init__(self, microbatches: int, schedule: str) -> None:
+        from torch import nn
+
+        from pipeline import Pipe
+
+        self.pipe = Pipe(make_model(), chunks=microbatches, schedule=schedule,
+                         checkpoint="never", loss_fn=nn.MSELoss(), devices=["cpu"] * STAGES)
+        self.x, self.y = make_batch()
+
+    def step(self) -> None:
+        self.pipe.zero_grad()
+        self.pipe.step(self.x, self.y)
+
+    def grad_sq(self) -> float:
+        return _grad_sq(self.pipe.parameters())
+
+
 class Torch:
     """torch.distributed.pipelining: PipelineStage on this rank's half, ScheduleGPipe/1F1B."""
 
@@ -362,8 +382,13 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
     from pipeline.executor import StepMeter
 
     use_model(model)
-    runner: Any = (Ours(rank, microbatches, schedule, "never") if side == "ours" else
-                   Torch(rank, microbatches, schedule))
+    runner: Any
+    if side == "ours":
+        runner = Ours(rank, microbatches, schedule, "never")
+    elif side == "threads":
+        runner = OursThreads(microbatches, schedule) if rank == 0 else Idle()
+    else:
+        runner = Torch(rank, microbatches, schedule)
     meter = StepMeter()
     if side == "ours":
         runner.pipe._runner.meter = meter
@@ -380,7 +405,8 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
         started = time.perf_counter()
         runner.step()
         times.append(time.perf_counter() - started)
-    report: dict[str, Any] = {"times": times, "grad_sq": runner.grad_sq()}
+    report: dict[str, Any] = {"times": times,
+                              "grad_sq": runner.grad_sq() if hasattr(runner, "grad_sq") else 0.0}
     if side == "ours":
         report["meter"] = meter.per_step_ms()
         if trace and rank == 0 and runner.pipe.timeline is not None:
@@ -401,10 +427,11 @@ def compare(args: argparse.Namespace) -> int:
     met = True
     with LoadMonitor() as monitor:
         for schedule in args.schedules:
-            launches: dict[str, list[float]] = {"ours": [], "torch": []}
+            sides = ("ours", "torch", "threads") if args.threads else ("ours", "torch")
+            launches: dict[str, list[float]] = {side: [] for side in sides}
             meters: list[list[dict[str, float]]] = []
             for launch in range(args.launches):
-                for side in ("ours", "torch"):
+                for side in sides:
                     reports = run_ranks(side_main, STAGES, args.model, side, schedule,
                                         microbatches, args.warmup_steps, args.steps_per_launch,
                                         args.trace if launch == 0 else None)
@@ -421,6 +448,11 @@ def compare(args: argparse.Namespace) -> int:
                   f"{ratio:.3f}   (launch medians: ours "
                   f"{' '.join(f'{v:.2f}' for v in launches['ours'])}; torch "
                   f"{' '.join(f'{v:.2f}' for v in launches['torch'])})")
+            if args.threads:
+                threads = statistics.median(launches["threads"])
+                print(f"  ours in one process (a thread per stage): {threads:.2f} ms, "
+                      f"/ torch {threads / theirs:.3f}   (launch medians: "
+                      f"{' '.join(f'{v:.2f}' for v in launches['threads'])})")
             _print_breakdown(meters)
             bar = 0.8 if args.model == "tiny" else 0.9
             if schedule == "1f1b" and ratio > bar or ratio > 1.0:
@@ -459,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--steps-per-launch", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--threads", action="store_true",
+                        help="--model: also time our one-process runtime (a thread per stage)")
     parser.add_argument("--trace", metavar="OUT.json",
                         help="--model: write our last step's timeline as a chrome trace")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
