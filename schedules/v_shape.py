@@ -34,14 +34,15 @@ memory cap, the variant's bound below, which squeezes the warm-up and cool-down:
   asked to leave room for the one on the way back up, which makes the replay
   deadlock-free (the oldest micro-batch in flight can always move on).
 
-A few such replays (both blocks as the critical list, with and without overtaking,
-with and without the room) are tried and the shortest kept; the result depends on
-the counts only. Stages hold at most the cap by construction (checked by the tests
-for P <= 16, M <= 4P): V-Min ``ceil((P+4)/3)`` full-stage micro-batches per stage,
-V-Half ``ceil((P+2)/2)``; 1F1B holds P. With F = I = W the bubbles are 0.31-0.55x
-(V-Half) and 0.40-0.74x (V-Min) of 1F1B's for 4 <= P <= 16, M in {2P, 4P}, the
-paper's figures at the same memory; the issue's bars (0.5x, 0.7x) hold there
-except at M = 2P for larger P (see the tests).
+A few such replays (both blocks as the critical list, each also with a longer
+gap, with and without overtaking, with and without the room; ``SPINES``) are tried
+and the shortest kept; the result depends on the counts only. Stages hold at most
+the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
+``ceil((P+4)/3)`` full-stage micro-batches per stage, V-Half ``ceil((P+2)/2)``;
+1F1B holds P. With F = I = W the bubbles are 0.29-0.55x (V-Half) and 0.31-0.69x
+(V-Min) of 1F1B's for 4 <= P <= 16, M in {2P, 4P}; the issue's bars (0.5x, 0.7x)
+hold there except for V-Half at M = 2P with even P >= 10 (and P = 15), up to 0.55x
+(see the tests).
 """
 
 from __future__ import annotations
@@ -111,13 +112,17 @@ def v_memory_cap(variant: Variant, stages: int) -> int:
     return math.ceil((stages + 4) / 3)
 
 
-def block_times(variant: Variant, stages: int, stage: int) -> tuple[int, int, int, int]:
-    """When ``stage`` starts micro-batch 0's F down, F up, I up and I down (chunk units)."""
+def block_times(variant: Variant, stages: int, stage: int,
+                gap: int | None = None) -> tuple[int, int, int, int]:
+    """When ``stage`` starts micro-batch 0's F down, F up, I up and I down (chunk units).
+
+    ``gap`` replaces the gap g before the input gradients (None: the one that keeps the
+    four times distinct modulo 6)."""
     p, s = stages, stage
     if variant == "v-min":
-        g = 2 if p % 3 == 0 else 0
+        g = (2 if p % 3 == 0 else 0) if gap is None else gap
         return (s, 2 * p - 1 - s, 2 * p + g + s, 4 * p - 1 + g - s)
-    g = 1 if p % 2 else 4
+    g = (1 if p % 2 else 4) if gap is None else gap
     return (2 * s, 3 * p - 2 - s, 3 * p - 1 + g + 2 * s, 6 * p - 3 + g - s)
 
 
@@ -127,15 +132,15 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
     placement = tuple(min(chunk, 2 * stages - 1 - chunk) for chunk in range(2 * stages))
     cap = 2 * v_memory_cap(variant, stages)  # in half-size chunk activations
     best: tuple[int, tuple[tuple[Action, ...], ...]] | None = None
-    for spine in ("v-half", "v-min"):
+    for spine, gap, replays in SPINES:
         critical = Schedule(
             stages,
             microbatches,
-            tuple(_critical_order(spine, stages, s, microbatches) for s in range(stages)),
+            tuple(_critical_order(spine, stages, s, microbatches, gap) for s in range(stages)),
             placement,
             name=variant,
         )
-        for window, room in REPLAYS:
+        for window, room in replays:
             try:
                 steps, order = _CappedReplay(critical, cap, window, room).run()
             except _Stalled:
@@ -149,6 +154,17 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
 # (window, room): how many list actions a stage looks at, and whether a forward on
 # the way down leaves a slot free for the micro-batch's way back up.
 REPLAYS = ((4, False), (1, False), (4, True), (1, True))
+# (block, gap, replays): the critical lists tried. Beside both blocks with their
+# collision-free gaps, two with a longer gap before the input gradients: their blocks
+# of consecutive micro-batches collide, and the replay resolves that, with fewer idle
+# units at larger P (V-Half at odd P, V-Min at P >= 8; found by trying gaps 0-5 and
+# windows 1, 2, 4 at P in 4..16, M in {2P, 4P}).
+SPINES: tuple[tuple[Variant, int | None, tuple[tuple[int, bool], ...]], ...] = (
+    ("v-half", None, REPLAYS),
+    ("v-min", None, REPLAYS),
+    ("v-half", 5, ((2, False),)),
+    ("v-min", 4, ((2, False),)),
+)
 
 
 class _Stalled(Exception):
@@ -229,14 +245,16 @@ class _CappedReplay:
 
 
 def _critical_order(
-    variant: Variant, stages: int, stage: int, microbatches: int
+    variant: Variant, stages: int, stage: int, microbatches: int, gap: int | None = None
 ) -> tuple[Action, ...]:
-    """The stage's Fs and Is of every micro-batch's block, in time order."""
+    """The stage's Fs and Is of every micro-batch's block, in time order (ties, where blocks
+    collide: F down, F up, I up, I down)."""
     down, up = stage, 2 * stages - 1 - stage
     ops = ((Op.F, down), (Op.F, up), (Op.I, up), (Op.I, down))
     timed = [
-        (start + PERIOD * m, Action(op, m, chunk))
+        (start + PERIOD * m, position, Action(op, m, chunk))
         for m in range(microbatches)
-        for start, (op, chunk) in zip(block_times(variant, stages, stage), ops)
+        for position, (start, (op, chunk)) in enumerate(
+            zip(block_times(variant, stages, stage, gap), ops))
     ]
-    return tuple(action for _, action in sorted(timed, key=lambda item: item[0]))
+    return tuple(action for _, _, action in sorted(timed, key=lambda item: item[:2]))

@@ -60,10 +60,9 @@ def test_peak_activations_within_the_bar(name):
 # Where the issue-13 bars (0.5x and 0.7x of 1F1B's bubble) are not reached yet: the
 # ratio reached there. Everywhere else in SWEEP the bars hold.
 SHORT_OF_THE_BAR = {
-    "v-half": {(10, 20): 0.518, (11, 22): 0.51, (12, 24): 0.533, (13, 26): 0.525,
-               (14, 28): 0.544, (14, 56): 0.501, (15, 30): 0.536, (16, 32): 0.551,
-               (16, 64): 0.508},
-    "v-min": {(8, 16): 0.7, (11, 22): 0.73, (14, 28): 0.734},
+    "v-half": {(10, 20): 0.518, (12, 24): 0.533, (14, 28): 0.544, (14, 56): 0.501,
+               (15, 30): 0.512, (16, 32): 0.551, (16, 64): 0.508},
+    "v-min": {},
 }
 BAR = {"v-half": 0.5, "v-min": 0.7}
 
@@ -80,8 +79,9 @@ def test_bubble_bars_of_issue_13_where_reached(name):
             assert ratio <= short + 5e-4, (stages, microbatches, ratio)
 
 
-@pytest.mark.xfail(strict=True, reason="M = 2P at larger P: the squeeze is the paper's, not better")
-@pytest.mark.parametrize("name", GENERATORS)
+@pytest.mark.xfail(strict=True, reason="V-Half at M = 2P for even P >= 10 (and P = 15): "
+                   "the cap of P/2 + 1 micro-batches squeezes the warm-up more than the bar allows")
+@pytest.mark.parametrize("name", ["v-half"])
 def test_bubble_bars_of_issue_13_everywhere(name):
     for stages, microbatches in SHORT_OF_THE_BAR[name]:
         ours = _equal_costs(GENERATORS[name](stages, microbatches)).bubble_fraction
