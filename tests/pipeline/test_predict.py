@@ -185,14 +185,16 @@ def test_a_missing_target_fails_on_every_rank() -> None:
     assert all("target" in message for message in messages), messages
 
 
-def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> None:
-    from pipeline import Pipe
-
+def _linear_pipe() -> tuple[Pipe, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
-    x, y = torch.randn(16, 32), torch.randn(16, 32)
     pipe = Pipe(model, chunks=4, balance=[2, 4], devices=["cpu", "cpu"],
                 loss_fn=torch.nn.MSELoss())
+    return pipe, torch.randn(16, 32), torch.randn(16, 32)
+
+
+def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> None:
+    pipe, x, y = _linear_pipe()
     before = pipe.predict(x, y)
     pipe.step(x, y)
     measured = pipe.timeline
@@ -203,14 +205,9 @@ def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> Non
 
 
 def test_after_several_steps_each_stage_computes_its_median_measured_busy_time() -> None:
-    from pipeline import Pipe
     from pipeline.pipe import RECENT_STEPS
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
-    x, y = torch.randn(16, 32), torch.randn(16, 32)
-    pipe = Pipe(model, chunks=4, balance=[2, 4], devices=["cpu", "cpu"],
-                loss_fn=torch.nn.MSELoss())
+    pipe, x, y = _linear_pipe()
     measured = []
     for _ in range(RECENT_STEPS + 2):  # the oldest two fall out
         pipe.step(x, y)
