@@ -143,7 +143,7 @@ def test_a_heavier_chunk_shifts_the_prediction() -> None:
         timeline = pipe.predict(x, y)
         return timeline.makespan, timeline.busy
 
-    light, heavy = predicted(64), predicted(2048)  # 32x the multiply-adds of stage 1
+    light, heavy = predicted(64), predicted(8192)  # 128x the multiply-adds of stage 1
     assert heavy[0] > light[0]
     assert heavy[1][1] / heavy[1][0] > 2 * light[1][1] / light[1][0]
 
