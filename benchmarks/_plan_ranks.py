@@ -1,38 +1,43 @@
-"""bench_plan --ranks 2: the plan's pick against every candidate and torch's, on gloo ranks.
+"""bench_plan --ranks 2, on the ranks: each model's auto pick, grid, torch runs and memory case.
 
-Each rank builds examples/models.py's uneven MLP (seeded, so alike everywhere), a
-256-row batch and a hop calibrated by ping-pong over the group; rank 0 profiles and
-plans, every rank gets the plan. Then every candidate runs as a ``Pipe`` over the
-group, and torch.distributed.pipelining's GPipe and 1F1B at the same Ms on the
-pick's cut, all taking turns round after round (a barrier before each step) so that
-others' load hits them alike. Last, a plan under a memory limit the unconstrained
-pick does not fit runs with ``memory_report=True``. The parent prints the tables,
-each step's time the slower rank's; a runner's figure is the median of its steps
-that no burst of other processes overlapped (``_spawn.LoadMonitor``), or of all of
-them where too few were quiet.
+Per model (WORKLOADS: the uneven MLP, a small GPT; seeded, so alike on every rank), on
+two gloo ranks; a runner is one configuration that takes a step per call, ours
+(``OurPipe``) or torch's (``TorchPipelining``):
 
-Rank 0 plans as ``plan_for_model`` does (each micro-batch size profiled, then
-``plan``), but keeps the profiles, so that the memory-limited plan prices the same
-costs: two profiles of one model differ by 10-40% on a busy machine, enough to move
-cuts and picks between the two plans. The limit is LIMIT_SHARE of the pick's peak,
-raised to the leanest candidate's peak where that is higher, so that a plan fits.
+- the grid: rank 0 profiles the model (each micro-batch size, with the loss) and runs
+  ``partitioners.plan`` over every schedule x M in COUNTS without pruning, so that every
+  configuration has a cut by time and a prediction (and, over the auto Pipe's space,
+  for the leanest plan's peak); every rank gets the plan;
+- the pick: ``Pipe(chunks="auto", schedule="auto", checkpoint="never", sample=x)``, the
+  real auto path (rank 0 profiles without a loss target and plans with its own hop and
+  per-action overhead calibration, every rank runs the pick); its other candidates that
+  the grid lacks (other Ms, other cuts) are measured too;
+- torch.distributed.pipelining's GPipe and 1F1B at COUNTS on our pick's cut (or the
+  best-ranked one-chunk cut when the pick has more chunks per stage).
+
+Every one of them runs round-robin (a barrier before each step, one warm-up round) so
+that others' load hits them alike. Then the memory case: 1F1B at M=8 without and with
+full recomputation run once with ``memory_report=True`` for their peaks (2 x parameter
+bytes plus the saved activations pipe.memory measured); a limit below the first
+(``choose_limit``: LIMIT_SHARE of it unless no plan is predicted to fit that: the MLP's
+parameters outweigh its activations); the auto Pipe planned under it with
+``checkpoint="auto"``, its peak measured the same way, and its step timed round-robin
+against 1F1B+always. The parent (benchmarks/_plan_report.py) prints the tables.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from _spawn import LoadMonitor, run_ranks
+from examples.gpt import gpt, lm_loss
 from examples.models import uneven_mlp
 from partitioners import Plan, Profile, plan, profile
 from pipeline import Pipe
@@ -41,68 +46,174 @@ from pipeline.coordination import on_rank_zero
 from schedules import Link, get_schedule
 
 STAGES = 2
-BATCH = 256
-COUNTS = (4, 8, 16)
-TORCH_SCHEDULES = ("gpipe", "1f1b")
-LIMIT_SHARE = 0.8  # the memory case's limit: this share of the unconstrained pick's peak
-MEMORY_STEPS = 3  # steps of the memory case (the first a warm-up)
 TIMEOUT = 120.0
-BAR = 1.05
-QUIET_CORES = 0.25  # a step while others kept more cores than this busy is set aside
+COUNTS = (4, 8, 16)
+GPT_VOCAB, GPT_SEQ = 256, 32
+TORCH_SCHEDULES = ("gpipe", "1f1b")
+LIMIT_SHARE = 0.8  # the memory limit: this share of 1F1B's measured peak at M=8
+REFERENCE_M = 8  # the memory case's 1F1B
+JUST_BELOW = 0.99  # the limit's share of 1F1B's peak where no plan is predicted below it
+PEAK_STEPS = 2  # steps of each memory_report run (the worst counts)
 
 Span = tuple[float, float]  # one step on one rank: (start, end), time.perf_counter seconds
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input, target)
+
+
+# -- the workloads and the runners ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, its batch and its loss; each call builds them afresh (a Pipe over a group
+    takes its model apart)."""
+
+    name: str
+    title: str
+    rows: int
+    model: Callable[[], nn.Sequential]
+    batch: Callable[[], Batch]
+    loss: Callable[[], nn.Module]
+
+    def build(self) -> nn.Sequential:
+        torch.manual_seed(0)
+        return self.model()
+
+
+def _mlp_batch() -> Batch:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(256, 512, generator=generator), torch.randn(256, 10, generator=generator)
+
+
+def _gpt_model() -> nn.Sequential:
+    return gpt(GPT_VOCAB, dim=128, layers=6, heads=4, seq=GPT_SEQ, dropout=0.1, drop_path=0.0)
+
+
+def _gpt_batch() -> Batch:
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, GPT_VOCAB, (32, GPT_SEQ + 1), generator=generator)
+    return tokens[:, :-1].clone(), tokens[:, 1:].clone()
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", "uneven MLP (examples/models.py: 13 layers, 7 Linear + 6 ReLU, 512 "
+                    "wide with one 4096-wide pair), batch 256, MSE loss", 256,
+                    uneven_mlp, _mlp_batch, nn.MSELoss),
+    "gpt": Workload("gpt", f"small GPT (examples/gpt.py: embedding, 6 blocks of width 128 with "
+                    f"4 heads, LayerNorm, tied head; 9 layers), vocabulary {GPT_VOCAB}, batch 32 "
+                    f"x {GPT_SEQ} tokens, dropout 0.1, cross-entropy", 32,
+                    _gpt_model, _gpt_batch, lm_loss),
+}
+
+
+class OurPipe:
+    """Our Pipe over the group with ``options`` (a candidate's ``pipe_options()``, or
+    ``chunks="auto"`` and friends: then rank 0 plans from the batch, ``sample``).
+
+    x and y live on every rank: each rank reads what its chunks need, and a V schedule
+    ends on rank 0.
+    """
+
+    def __init__(self, workload: Workload, options: dict[str, Any],
+                 memory_report: bool = False) -> None:
+        self.x, self.y = workload.batch()
+        self.pipe = Pipe(workload.build(), loss_fn=workload.loss(), sample=self.x,
+                         group=dist.group.WORLD, memory_report=memory_report, timeout=TIMEOUT,
+                         **options)
+
+    def step(self) -> None:
+        self.pipe.zero_grad()
+        self.pipe.step(self.x, self.y)
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pipe.parameters())
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+class TorchPipelining:
+    """torch.distributed.pipelining: this rank's layers of ``balance`` in a PipelineStage.
+
+    A weight two stages share (the GPT's tied embedding and head) becomes two weights, since
+    torch's stages do not add their gradients; ours do.
+    """
+
+    def __init__(self, workload: Workload, rank: int, balance: Sequence[int],
+                 microbatches: int, schedule: str) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        first = sum(balance[:rank])
+        self.module = copy.deepcopy(workload.build()[first:first + balance[rank]])
+        stage = PipelineStage(self.module, rank, STAGES, torch.device("cpu"))
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        self.schedule = kind(stage, microbatches, loss_fn=workload.loss())
+        self.rank = rank
+        self.x, self.y = workload.batch()
+
+    def step(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            self.schedule.step(self.x)
+        else:
+            self.schedule.step(target=self.y, losses=[])
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
 class Predicted:
-    """One plan candidate, as the parent needs it (a Plan holds read-only mappings)."""
+    """One configuration as the parent needs it (a Plan holds read-only mappings)."""
 
+    source: str  # "auto pick", "auto" (another candidate of the auto plan) or "grid"
     label: str
     microbatches: int
     balance: tuple[int, ...]
+    checkpoint: str
     step_time: float
     peak_memory: tuple[float, ...]
     description: str
+    options: dict[str, Any] = field(compare=False)  # the candidate's pipe_options()
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return self.label, self.microbatches, self.balance, self.checkpoint
 
 
 @dataclass(frozen=True)
 class MemoryCase:
-    """The memory-limited plan's pick and what this rank's stage held running it."""
+    """Peaks are per stage, measured: 2 x parameter bytes + the worst step's activations."""
 
+    never: Predicted  # 1F1B at REFERENCE_M, no recomputation (the grid's cut)
+    never_peak: tuple[float, ...]
+    always: Predicted  # the same with full recomputation
+    always_peak: tuple[float, ...]
     limit: float
-    unconstrained_peak: float  # the unconstrained pick's largest stage peak
-    pick: Predicted
-    activation_bytes: int  # saved activations at the peak (pipe.memory), the worst step
-    parameter_bytes: int  # this stage's parameters; their gradients as much again
-    step_times: list[float]
+    rule: str  # how the limit was set
+    pick: Predicted | None  # None: planning failed (error)
+    pick_peak: tuple[float, ...] = ()
+    always_in_plan: float | None = None  # the limited plan's own 1F1B+always step, if it has one
+    plan_seconds: float = 0.0
+    error: str | None = None
+    spans: list[list[Span]] = field(default_factory=list)  # [the pick, 1F1B+always] steps
 
 
 @dataclass(frozen=True)
-class RankReport:
-    """What one rank measured (and, on every rank, what rank 0 planned)."""
+class ModelReport:
+    """What one rank measured of one model (and, on every rank, what rank 0 planned)."""
 
-    hop: tuple[float, float]  # latency s, bandwidth B/s
-    plan_seconds: float
-    candidates: list[Predicted]  # the plan's ranking: the pick first
-    ours: list[list[Span]]  # per candidate, this rank's steps after the warm-up
+    name: str
+    hop: tuple[float, float]  # the grid's hop: latency s, bandwidth B/s
+    plan_seconds: tuple[float, float]  # the grid's plan, the auto Pipe's construction
+    rows: list[Predicted]  # the auto pick, the auto plan's others the grid lacks, the grid
+    ours: list[list[Span]]  # per row, this rank's steps after the warm-up
     torch_runs: list[tuple[str, int]]  # (schedule, M) of each torch runner
     torch_balance: tuple[int, ...]
     torch: list[list[Span]]
-    memory: MemoryCase | None  # None: no limit excludes the pick and leaves a plan
+    memory: MemoryCase | None  # None: the grid has no 1F1B at REFERENCE_M
 
 
-# -- the model, the batch, the plan -----------------------------------------------------------
-
-
-def build_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return uneven_mlp()
-
-
-def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return (torch.randn(BATCH, 512, generator=generator),
-            torch.randn(BATCH, 10, generator=generator))
+# -- planning ---------------------------------------------------------------------------------
 
 
 def calibrated_hop(tries: int = 3) -> Link:
@@ -117,41 +228,41 @@ def calibrated_hop(tries: int = 3) -> Link:
     return min(links, key=lambda link: link.latency)
 
 
-def profiled_costs() -> Callable[[int], Profile]:
-    """``plan_for_model``'s cost source, keeping each micro-batch size's profile."""
-    model, (x, y) = build_model(), make_batch()
+def profiled_costs(workload: Workload) -> Callable[[int], Profile]:
+    """``plan_for_model``'s cost source (the loss included), one profile per size."""
+    model, (x, y) = workload.build(), workload.batch()
+    loss_fn = workload.loss()
     found: dict[int, Profile] = {}
 
     def at(rows: int) -> Profile:
         if rows not in found:
             found[rows] = profile(model, x, progress=False, microbatch_size=rows,
-                                  loss_fn=nn.MSELoss(), target=y)
+                                  loss_fn=loss_fn, target=y)
         return found[rows]
 
     return at
 
 
-def memory_limit_for(chosen: Plan) -> float | None:
-    """LIMIT_SHARE of the pick's peak, at least the leanest candidate's; None if none is
-    leaner than the pick."""
-    pick = max(chosen.peak_memory)
-    leanest = min(max(c.peak_memory) for c in chosen.candidates)
-    return max(LIMIT_SHARE * pick, leanest) if leanest < pick else None
+@dataclass(frozen=True)
+class Grid:
+    """Rank 0's plans from one profile of the model, on every rank."""
+
+    plan: Plan  # every schedule x M in COUNTS, without and with full recomputation, unpruned
+    leanest: float  # the smallest largest-stage peak of the auto Pipe's plans cut by time
 
 
-def plans_on_rank_zero(hop: Link) -> tuple[Plan, Plan | None]:
-    """Rank 0 profiles the model and plans without a limit, then under one (from the same
-    profiles); every rank gets both Plans."""
+def grid_plan(workload: Workload, hop: Link) -> Grid:
+    """Rank 0 profiles the model and plans the grid, and the auto Pipe's space (its Ms, every
+    checkpoint mode) unpruned for its leanest candidate; every rank gets both."""
 
-    def make() -> tuple[Plan, Plan | None]:
-        costs = profiled_costs()
-        options: dict[str, Any] = {"hop": hop, "microbatch_counts": COUNTS,
-                                   "checkpoints": ["never"], "prune": False,
+    def make() -> Grid:
+        costs = profiled_costs(workload)
+        options: dict[str, Any] = {"hop": hop, "prune": False,
                                    "action_overhead": action_overhead(torch.device("cpu"))}
-        chosen = plan(costs, STAGES, BATCH, **options)
-        limit = memory_limit_for(chosen)
-        limited = None if limit is None else plan(costs, STAGES, BATCH, limit, **options)
-        return chosen, limited
+        grid = plan(costs, STAGES, workload.rows, microbatch_counts=COUNTS,
+                    checkpoints=["never", "always"], **options)
+        space = plan(costs, STAGES, workload.rows, **options)
+        return Grid(grid, min(max(c.peak_memory) for c in space.candidates))
 
     return on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")  # type: ignore[no-any-return]
 
@@ -161,56 +272,32 @@ def schedule_label(candidate: Any) -> str:
     return f"{candidate.schedule}({options})" if options else candidate.schedule
 
 
-def predicted(candidate: Any) -> Predicted:
-    return Predicted(schedule_label(candidate), candidate.microbatches, tuple(candidate.balance),
-                     candidate.step_time, tuple(candidate.peak_memory), candidate.describe())
+def predicted(candidate: Any, source: str) -> Predicted:
+    return Predicted(source, schedule_label(candidate), candidate.microbatches,
+                     tuple(candidate.balance), candidate.checkpoint, candidate.step_time,
+                     tuple(candidate.peak_memory), candidate.describe(),
+                     candidate.pipe_options())
 
 
-# -- the runners: one step per call -----------------------------------------------------------
+def table_rows(auto: Plan, grid: Plan) -> list[Predicted]:
+    """The auto pick, the auto plan's other candidates the grid lacks, then the grid's runs
+    without recomputation (ranked by its prediction)."""
+    pick, *others = [predicted(c, "auto") for c in auto.candidates]
+    rows = [predicted(c, "grid") for c in grid.candidates if c.checkpoint == "never"]
+    known = {row.key for row in rows}
+    return [replace(pick, source="auto pick"), *(r for r in others if r.key not in known), *rows]
 
 
-class OurPipe:
-    """Our Pipe over the group with one candidate's options (x and y on every rank: each
-    rank reads what its chunks need, and a V schedule ends on rank 0)."""
-
-    def __init__(self, options: dict[str, Any], memory_report: bool = False) -> None:
-        self.pipe = Pipe(build_model(), loss_fn=nn.MSELoss(), group=dist.group.WORLD,
-                         memory_report=memory_report, timeout=TIMEOUT, **options)
-        self.x, self.y = make_batch()
-
-    def step(self) -> None:
-        self.pipe.zero_grad()
-        self.pipe.step(self.x, self.y)
-
-    def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pipe.parameters())
+def grid_entry(grid: Plan, schedule: str, microbatches: int, checkpoint: str) -> Predicted | None:
+    """The best-ranked candidate of ``grid`` with this schedule, M and checkpoint mode."""
+    return next((predicted(c, "grid") for c in grid.candidates
+                 if (c.schedule, c.microbatches, c.checkpoint)
+                 == (schedule, microbatches, checkpoint)), None)
 
 
-class TorchPipelining:
-    """torch.distributed.pipelining: this rank's layers of ``balance`` in a PipelineStage."""
-
-    def __init__(self, rank: int, balance: Sequence[int], microbatches: int, schedule: str) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        first = sum(balance[:rank])
-        self.module = copy.deepcopy(build_model()[first:first + balance[rank]])
-        stage = PipelineStage(self.module, rank, STAGES, torch.device("cpu"))
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = kind(stage, microbatches, loss_fn=nn.MSELoss())
-        self.rank = rank
-        self.x, self.y = make_batch()
-
-    def step(self) -> None:
-        self.module.zero_grad(set_to_none=True)
-        if self.rank == 0:
-            self.schedule.step(self.x)
-        else:
-            self.schedule.step(target=self.y, losses=[])
-
-
-def torch_balance(candidates: Sequence[Predicted]) -> tuple[int, ...]:
+def torch_balance(rows: Sequence[Predicted]) -> tuple[int, ...]:
     """The pick's cut, or, if the pick has several chunks per stage, the best one-chunk cut."""
-    return next(c.balance for c in candidates if len(c.balance) == STAGES)
+    return next(row.balance for row in rows if len(row.balance) == STAGES)
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -240,167 +327,88 @@ def round_robin(runners: Sequence[Any], steps: int) -> list[list[Span]]:
     return spans
 
 
-def memory_case(unconstrained: Plan, limited: Plan) -> MemoryCase:
-    """The memory-limited pick run with memory_report=True: this stage's worst step."""
-    assert limited.memory_limit is not None  # planned with one
-    runner = OurPipe(limited.pipe_options(), memory_report=True)
-    peaks, times = [], []
-    for _ in range(MEMORY_STEPS):
-        start, end = timed_step(runner.step)
-        times.append(end - start)
-        peaks.append(runner.pipe.memory[0].peak_bytes)
-    parameter_bytes = runner.parameter_bytes()  # before close: then the Pipe holds none
-    runner.pipe.close()
-    return MemoryCase(limited.memory_limit, max(unconstrained.peak_memory), predicted(limited),
-                      max(peaks), parameter_bytes, times[1:])
+def measured_peak(workload: Workload, options: dict[str, Any]) -> tuple[float, ...]:
+    """Per stage (on every rank): 2 x its parameter bytes plus the most activation bytes it
+    held in PEAK_STEPS steps with ``memory_report=True``."""
+    runner = OurPipe(workload, options, memory_report=True)
+    activations = 0
+    for _ in range(PEAK_STEPS):
+        timed_step(runner.step)
+        activations = max(activations, runner.pipe.memory[0].peak_bytes)
+    mine = float(activations + 2 * runner.parameter_bytes())  # before close: then it holds none
+    runner.close()
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return tuple(every)
 
 
-def rank_main(rank: int, world: int, steps: int) -> RankReport:
-    """Everything one rank measures; every rank runs the same runners in the same order."""
-    torch.set_num_threads(1)
+def choose_limit(never_peak: Sequence[float], leanest: float) -> tuple[float, str]:
+    """LIMIT_SHARE of 1F1B's measured peak; where no plan is predicted to fit that, midway
+    between it and the leanest plan's predicted peak; where none is predicted below it, just
+    below it (the planner then says what the smallest limit it can meet is)."""
+    top = max(never_peak)
+    if LIMIT_SHARE * top >= leanest:
+        return LIMIT_SHARE * top, f"{LIMIT_SHARE:.0%} of it"
+    lean = f"the leanest plan cut by time is predicted at {leanest / 2**20:.2f} MiB"
+    if leanest < top:
+        return (leanest + top) / 2, f"midway to the leanest plan: {lean}"
+    return JUST_BELOW * top, f"{JUST_BELOW:.0%} of it: {lean}, none below 1F1B's peak"
+
+
+def memory_case(workload: Workload, grid: Grid, steps: int) -> MemoryCase | None:
+    """1F1B's and 1F1B+always's peaks, the limit, the auto pick under it: its peak, and its
+    step time round-robin against 1F1B+always's."""
+    never = grid_entry(grid.plan, "1f1b", REFERENCE_M, "never")
+    always = grid_entry(grid.plan, "1f1b", REFERENCE_M, "always")
+    if never is None or always is None:
+        return None
+    case = MemoryCase(never, measured_peak(workload, never.options), always,
+                      measured_peak(workload, always.options), 0.0, "", None)
+    limit, rule = choose_limit(case.never_peak, grid.leanest)
+    case = replace(case, limit=limit, rule=rule)
+    start = time.perf_counter()
+    try:
+        auto = OurPipe(workload, {"chunks": "auto", "schedule": "auto", "checkpoint": "auto",
+                                  "memory_limit": limit})
+    except ValueError as error:  # every rank: rank 0's planning error reaches them all
+        return replace(case, error=str(error))
+    own = grid_entry(auto.pipe.plan, "1f1b", REFERENCE_M, "always")
+    case = replace(case, pick=predicted(auto.pipe.plan, "auto pick"),
+                   always_in_plan=None if own is None else own.step_time,
+                   plan_seconds=time.perf_counter() - start)
+    case = replace(case, pick_peak=measured_peak(workload, auto.pipe.plan.pipe_options()))
+    runners = [auto, OurPipe(workload, always.options)]
+    spans = round_robin(runners, steps)
+    for runner in runners:
+        runner.close()
+    return replace(case, spans=spans)
+
+
+def measure_model(workload: Workload, rank: int, steps: int) -> ModelReport:
+    """Everything one rank measures of one model; every rank runs the same runners in the
+    same order."""
     hop = calibrated_hop()
     start = time.perf_counter()
-    chosen, limited = plans_on_rank_zero(hop)
-    plan_seconds = time.perf_counter() - start
-    candidates = [predicted(c) for c in chosen.candidates]
-    ours = [OurPipe(c.pipe_options()) for c in chosen.candidates]
-    balance = torch_balance(candidates)
+    grid = grid_plan(workload, hop)
+    middle = time.perf_counter()
+    auto = OurPipe(workload, {"chunks": "auto", "schedule": "auto", "checkpoint": "never"})
+    seconds = (middle - start, time.perf_counter() - middle)
+    rows = table_rows(auto.pipe.plan, grid.plan)
+    ours = [auto, *(OurPipe(workload, row.options) for row in rows[1:])]
+    balance = torch_balance(rows)
     torch_runs = [(name, m) for name in TORCH_SCHEDULES for m in COUNTS]
-    theirs = [TorchPipelining(rank, balance, m, name) for name, m in torch_runs]
+    theirs = [TorchPipelining(workload, rank, balance, m, name) for name, m in torch_runs]
     spans = round_robin([*ours, *theirs], steps)
     for runner in ours:
-        runner.pipe.close()
-    memory = None if limited is None else memory_case(chosen, limited)
-    return RankReport((hop.latency, hop.bandwidth), plan_seconds, candidates, spans[:len(ours)],
-                      torch_runs, balance, spans[len(ours):], memory)
+        runner.close()
+    del ours, theirs
+    return ModelReport(workload.name, (hop.latency, hop.bandwidth), seconds, rows,
+                       spans[:len(rows)], torch_runs, balance, spans[len(rows):],
+                       memory_case(workload, grid, steps))
 
 
-# -- the parent: launch and print -------------------------------------------------------------
+def rank_main(rank: int, world: int, names: Sequence[str], steps: int) -> list[ModelReport]:
+    """Each named model in turn, on one torch thread."""
+    torch.set_num_threads(1)
+    return [measure_model(WORKLOADS[name], rank, steps) for name in names]
 
-
-@dataclass(frozen=True)
-class Measured:
-    """One runner's step time: the median of its quiet steps (of all, if too few were)."""
-
-    seconds: float
-    quiet: int
-    steps: int
-
-    def note(self) -> str:
-        """``"4/5"`` quiet steps, ``"1/5!"`` where too few were and every step counted."""
-        return f"{self.quiet}/{self.steps}{'' if enough_quiet(self.quiet, self.steps) else '!'}"
-
-
-def enough_quiet(quiet: int, steps: int) -> bool:
-    return quiet >= min(steps, max(3, steps // 2))
-
-
-def measure(per_rank: Sequence[list[list[Span]]], monitor: LoadMonitor) -> list[Measured]:
-    """Per runner: a step's time is the slowest rank's; a step is quiet if other processes
-    kept at most QUIET_CORES cores busy from its first rank's start to its last one's end."""
-    found = []
-    for runs in zip(*per_rank, strict=True):
-        every, quiet = [], []
-        for spans in zip(*runs, strict=True):
-            seconds = max(end - start for start, end in spans)
-            every.append(seconds)
-            busy = monitor.busy_between(min(s for s, _ in spans), max(e for _, e in spans))
-            if busy <= QUIET_CORES:
-                quiet.append(seconds)
-        chosen = quiet if enough_quiet(len(quiet), len(every)) else every
-        found.append(Measured(statistics.median(chosen), len(quiet), len(every)))
-    return found
-
-
-def fastest(measured: Sequence[Measured]) -> int:
-    return min(range(len(measured)), key=lambda index: measured[index].seconds)
-
-
-def print_candidates(report: RankReport, measured: Sequence[Measured]) -> None:
-    print(f"{'#':>2} {'schedule':<38} {'M':>3}  {'balance':<14} {'predicted ms':>12} "
-          f"{'measured ms':>11} {'meas/pred':>9} {'quiet':>6}")
-    for index, (c, found) in enumerate(zip(report.candidates, measured, strict=True)):
-        print(f"{index + 1:>2} {c.label:<38} {c.microbatches:>3}  {str(list(c.balance)):<14} "
-              f"{c.step_time * 1e3:>12.1f} {found.seconds * 1e3:>11.1f} "
-              f"{found.seconds / c.step_time:>9.2f} {found.note():>6}")
-    print(f"(ranked by prediction, the pick first; measured: the median of the quiet steps, a "
-          f"step's time the slower rank's from a barrier; quiet: steps during which other "
-          f"processes kept at most {QUIET_CORES} cores busy, '!': too few, all steps counted)")
-
-
-def print_pick(report: RankReport, measured: Sequence[Measured]) -> None:
-    pick, best = report.candidates[0], fastest(measured)
-    ratio = measured[0].seconds / measured[best].seconds
-    print(f"\npick: {pick.description}: predicted {pick.step_time * 1e3:.1f} ms, measured "
-          f"{measured[0].seconds * 1e3:.1f} ms")
-    print(f"best measured: {report.candidates[best].description}: "
-          f"{measured[best].seconds * 1e3:.1f} ms")
-    print(f"pick / best measured = {ratio:.3f}: {'within' if ratio <= BAR else 'NOT within'} 5%")
-
-
-def print_torch(report: RankReport, theirs: Sequence[Measured],
-                ours: Sequence[Measured]) -> None:
-    print(f"\ntorch.distributed.pipelining (PipelineStage), balance {list(report.torch_balance)}:")
-    print(f"{'schedule':<8} {'M':>3} {'torch ms':>9} {'quiet':>6} {'ours ms':>8} "
-          f"{'ours/torch':>10}")
-    for (name, m), found in zip(report.torch_runs, theirs, strict=True):
-        same = [mine.seconds for c, mine in zip(report.candidates, ours, strict=True)
-                if (c.label, c.microbatches, c.balance) == (name, m, report.torch_balance)]
-        versus = (f"{same[0] * 1e3:>8.1f} {same[0] / found.seconds:>10.3f}" if same
-                  else f"{'-':>8} (ours at this M used another cut)")
-        print(f"{name:<8} {m:>3} {found.seconds * 1e3:>9.1f} {found.note():>6} {versus}")
-    best = fastest(theirs)
-    name, m = report.torch_runs[best]
-    print(f"ours pick / torch best ({name}, M={m}, {theirs[best].seconds * 1e3:.1f} ms) = "
-          f"{ours[0].seconds / theirs[best].seconds:.3f}")
-
-
-def print_memory(cases: Sequence[MemoryCase | None]) -> None:
-    if cases[0] is None:
-        print("\nmemory limit: none, the pick is already the leanest candidate")
-        return
-    known = [c for c in cases if c is not None]
-    case, mib = known[0], 2.0 ** 20
-    seconds = statistics.median(max(s) for s in zip(*(c.step_times for c in known), strict=True))
-    print(f"\nmemory limit {case.limit / mib:.2f} MiB per stage "
-          f"({case.limit / case.unconstrained_peak:.0%} of the unconstrained pick's "
-          f"{case.unconstrained_peak / mib:.2f} MiB; {LIMIT_SHARE:.0%}, or the leanest "
-          f"candidate's peak if higher): pick {case.pick.description}, predicted "
-          f"{case.pick.step_time * 1e3:.1f} ms, measured {seconds * 1e3:.1f} ms (with "
-          f"memory_report's hooks)")
-    print(f"{'stage':>5} {'predicted MiB':>13} {'measured MiB':>12} {'activations pred':>16} "
-          f"{'activations meas':>16} {'meas <= limit':>13}")
-    for stage, rank_case in enumerate(known):
-        fixed = 2 * rank_case.parameter_bytes
-        total = fixed + rank_case.activation_bytes
-        peak = case.pick.peak_memory[stage]
-        print(f"{stage:>5} {peak / mib:>13.2f} {total / mib:>12.2f} "
-              f"{(peak - fixed) / mib:>16.2f} {rank_case.activation_bytes / mib:>16.2f} "
-              f"{'yes' if total <= case.limit else 'NO':>13}")
-    print("(MiB: parameters and their gradients, 2 x parameter bytes, plus saved activations, "
-          "predicted by the simulator, measured by pipe.memory's saved-tensor hooks, the worst "
-          "of the steps)")
-
-
-def run(steps: int) -> None:
-    """Launch the two ranks and print what they measured."""
-    print(f"2. uneven MLP (examples/models.py: 13 layers, 7 Linear + 6 ReLU, 512 wide with one "
-          f"4096-wide pair), batch {BATCH}, on {STAGES} gloo ranks, one torch thread each; "
-          f"load average {os.getloadavg()[0]:.2f} before")
-    started = time.perf_counter()
-    with LoadMonitor() as monitor:
-        reports: list[RankReport] = run_ranks(rank_main, STAGES, steps, timeout=900.0)
-    first = reports[0]
-    latency, bandwidth = first.hop
-    print(f"hop (gloo ping-pong): {latency * 1e6:.0f} us + bytes / {bandwidth / 1e9:.2f} GB/s; "
-          f"rank 0 profiled and planned (twice) in {first.plan_seconds:.1f} s; "
-          f"{len(first.candidates)} candidates, all run ({steps} steps each after a warm-up "
-          f"round, round-robin)")
-    ours = measure([r.ours for r in reports], monitor)
-    print_candidates(first, ours)
-    print_pick(first, ours)
-    print_torch(first, measure([r.torch for r in reports], monitor), ours)
-    print_memory([r.memory for r in reports])
-    print(f"\n{time.perf_counter() - started:.0f} s; other processes kept {monitor.mean():.2f} "
-          f"of {os.cpu_count()} cores busy on average; load average {os.getloadavg()[0]:.2f} "
-          f"after")

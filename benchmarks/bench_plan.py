@@ -1,7 +1,7 @@
 """Time ``partitioners.plan``, and check its pick against every configuration measured.
 
     python benchmarks/bench_plan.py [--layers 100] [--stages 8] [--repeat 3] [--steps 5]
-                                    [--ranks 1|2]
+                                    [--ranks 1|2] [--models mlp gpt]
 
 1. Planning time for ``--layers`` random layers on ``--stages`` stages (a 256-row
    batch, costs scaled linearly from one size, a ``Link`` hop), cold (schedules
@@ -13,17 +13,25 @@
    same model and a calibrated hop). Bar: the pick within 5% of the best measured.
 
 With ``--ranks 2``, part 2 runs on two gloo processes of this host instead (one torch
-thread each; benchmarks/_plan_ranks.py): the same MLP with a 256-row batch, planned on
-rank 0 (``plan_for_model``, M in {4, 8, 16}, no recomputation, every candidate kept,
-the hop calibrated by a gloo ping-pong); every candidate runs as a ``Pipe`` over the
-group, and torch.distributed.pipelining's GPipe and 1F1B at the same Ms on the pick's
-cut, all round-robin, a barrier before each step, a step's time the slower rank's,
-the median after a warm-up round (of the steps no other process's burst overlapped,
-where enough were quiet). It prints every candidate predicted and measured,
-the pick against the best measured (same 5% bar) and against torch's best; then plans
-under a memory limit of 80% of the pick's peak and runs that pick with
-``memory_report=True``: per stage, the predicted and the measured peak (parameters and
-gradients plus saved activations) against the limit. About a minute or two.
+thread each; benchmarks/_plan_ranks.py on the ranks, benchmarks/_plan_report.py prints),
+for each of ``--models`` (default both): examples/models.py's uneven MLP (batch 256) and
+a small GPT (examples/gpt.py, 9 layers, batch 32 x 32 tokens). Per model it measures,
+round-robin, a barrier before each step, a step's time the slower rank's, the median
+after a warm-up round (of the steps no other process's burst overlapped, where enough
+were quiet):
+
+- the pick: ``Pipe(chunks="auto", schedule="auto", checkpoint="never", sample=x)`` over
+  the group (rank 0 profiles, calibrates and plans), and its plan's other candidates;
+- the grid: every schedule x M in {4, 8, 16}, each with the planner's cut by time (an
+  unpruned ``plan`` from a profile on rank 0), no recomputation;
+- torch.distributed.pipelining's GPipe and 1F1B at M in {4, 8, 16} on the pick's cut.
+
+Then the memory case: a limit below 1F1B's measured peak at M=8 (80% of it, or, where no
+plan is predicted to fit that, midway to the leanest plan or just below it), the auto
+Pipe planned under it with ``checkpoint="auto"``: its measured peak against the limit,
+and its step against 1F1B at M=8 with full recomputation. Bars (issue 13), per model:
+the pick within 5% of the best measured, faster than torch's best; the memory pick fits
+and beats 1F1B+always. About three to four minutes for both models.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _plan_ranks import run as run_on_two_ranks  # noqa: E402
+from _plan_ranks import WORKLOADS  # noqa: E402
+from _plan_report import run as run_on_two_ranks  # noqa: E402
 from examples.models import uneven_mlp  # noqa: E402
 from partitioners import LayerCost, LossCost, Profile, plan, plan_for_model  # noqa: E402
 from partitioners.plan_costs import linear_costs  # noqa: E402
@@ -146,12 +155,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1,
                         help="part 2 in one process (1) or on two gloo ranks (2)")
+    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=["mlp", "gpt"],
+                        help="with --ranks 2: the models to measure")
     args = parser.parse_args()
     planning_time(args.layers, args.stages, args.repeat)
     if args.ranks == 1:
         measure_all(args.steps)
     else:
-        run_on_two_ranks(args.steps)
+        run_on_two_ranks(args.models, args.steps)
 
 
 if __name__ == "__main__":
