@@ -42,29 +42,41 @@ from partitioners.intervals import Intervals, clip, merge, predecessor
 
 @dataclass(frozen=True)
 class MemoryCap:
-    """Stage memory ``fixed + held[stage] * saved`` over its layers, capped at ``limit``.
+    """Stage memory ``fixed + held[stage] * saved`` over its layers, plus
+    ``held_inputs[stage] * inputs[first layer]``, capped at ``limit``.
 
     Attributes:
         fixed: prefix sums of per-layer bytes that do not scale with micro-batches.
         saved: prefix sums of per-layer bytes saved per micro-batch.
         held: per stage, how many micro-batches' saved bytes it holds at once.
         limit: the cap, in the same (scaled) units.
+        inputs: per layer, the bytes a stage starting there keeps per micro-batch whose
+            activations are recomputed (its input, or a bound of it); non-increasing, so
+            that a stage starting later never needs more; empty: none.
+        held_inputs: per stage, how many micro-batches' inputs it holds beside them.
     """
 
     fixed: tuple[int, ...]
     saved: tuple[int, ...]
     held: tuple[int, ...]
     limit: int
+    inputs: tuple[int, ...] = ()
+    held_inputs: tuple[int, ...] = ()
+
+    def _kept_inputs(self, start: int, stage: int) -> int:
+        return self.held_inputs[stage] * self.inputs[start] if self.held_inputs else 0
 
     def stage(self, start: int, end: int, stage: int) -> int:
         """Memory of a stage ``stage`` holding layers ``start..end-1``."""
         saved = self.saved[end] - self.saved[start]
-        return self.fixed[end] - self.fixed[start] + self.held[stage] * saved
+        return (self.fixed[end] - self.fixed[start] + self.held[stage] * saved
+                + self._kept_inputs(start, stage))
 
     def reach(self, start: int, stage: int, end_at_most: int) -> int:
         """The furthest end, up to ``end_at_most``, of a stage from ``start`` under the cap."""
         fixed, saved, held = self.fixed, self.saved, self.held[stage]
-        threshold = self.limit + fixed[start] + held * saved[start]
+        threshold = (self.limit + fixed[start] + held * saved[start]
+                     - self._kept_inputs(start, stage))
         def memory_to(end: int) -> int:
             return fixed[end] + held * saved[end]
 
@@ -72,8 +84,10 @@ class MemoryCap:
 
     @cached_property
     def nested(self) -> bool:
-        """Whether later stages hold no more micro-batches than earlier ones."""
-        return all(a >= b for a, b in zip(self.held, self.held[1:]))
+        """Whether later stages hold no more micro-batches than earlier ones, and no stage's
+        memory depends on where it starts (kept inputs do)."""
+        return (all(a >= b for a, b in zip(self.held, self.held[1:]))
+                and not any(self.held_inputs))
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ class _Search:
         self.table, self.stages, self.batch, self.limit = table, stages, batch, limit
         self.hop, self.optimizer_factor, self.overhead = hop, optimizer_factor, overhead
         self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._memory_cuts: dict[tuple[int, tuple[float, ...]], tuple[int, ...]] = {}
+        self._memory_cuts: dict[tuple[int, tuple[float, ...], str], tuple[int, ...]] = {}
 
     def rows(self, microbatches: int) -> int:
         return -(-self.batch // microbatches)
@@ -316,10 +316,11 @@ class _Search:
 
     def memory_cut(self, entry: _Entry) -> tuple[int, ...]:
         counts = held(entry.name, self.stages, entry.microbatches, entry.options)
-        key = (self.rows(entry.microbatches), counts)
+        key = (self.rows(entry.microbatches), counts, entry.checkpoint)
         if key not in self._memory_cuts:
             self._memory_cuts[key] = memory_capped_cut(
-                self.table.at(key[0]), counts, self.limit or 0.0, self.optimizer_factor)
+                self.table.at(key[0]), counts, self.limit or 0.0, self.optimizer_factor,
+                entry.checkpoint)
         return self._memory_cuts[key]
 
     def simulate(self, entry: _Entry) -> Candidate:

@@ -4,18 +4,24 @@ A plan's cut is the exact min-max cut by time into the schedule's model chunks
 (``balance(..., by="time")``). Under a memory limit, when that cut does not fit,
 a schedule with one chunk per stage also gets the fastest cut that fits a
 *linear* memory model that never under-estimates ``simulate``'s: per stage,
-``(2 + optimizer_factor) x params`` plus the micro-batches it holds at once times
-``sum over its layers of max(saved bytes, the layer's input bytes)``. Any cut
-meeting that model fits the simulated peak too (a held micro-batch keeps at most
-``max(saved, input)`` of each chunk, recomputed or not), so a cut found here
-never fails the simulator's check. When no cut meets it, the cut of least
-linear memory is returned, so that the planner can name the smallest limit.
+``(2 + optimizer_factor) x params`` plus, per micro-batch whose activations it
+holds at once, ``sum over its layers of max(saved bytes, the layer's input
+bytes)``. Without recomputation that is every micro-batch it holds; with
+``checkpoint="always"`` a held micro-batch keeps only the stage's input, and one
+at a time is recomputed in full; with ``"except_last"`` the last micro-batch is
+also kept in full. A stage's input is charged as the largest input from its
+first layer on (a bound that only shrinks as the stage starts later, which the
+exact search needs). Any cut meeting that model fits the simulated peak too, so
+a cut found here never fails the simulator's check. When no cut meets it, the cut
+of least linear memory is returned, so that the planner can name the smallest
+limit.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from fractions import Fraction
 from itertools import accumulate
 
@@ -30,11 +36,22 @@ def time_cut(costs: Sequence[LayerCost], chunks: int) -> tuple[int, ...]:
     return tuple(balance(costs, chunks, by="time"))
 
 
+def _full_and_inputs(held: Sequence[float], checkpoint: str
+                     ) -> tuple[list[float], list[float]]:
+    """Per stage, micro-batches whose activations it keeps in full, and those whose inputs
+    only, at once (see the module docstring)."""
+    if checkpoint == "never":
+        return list(held), [0.0] * len(held)
+    full = 1.0 if checkpoint == "always" else 2.0
+    return [min(h, full) for h in held], list(held)
+
+
 def memory_capped_cut(
     costs: Sequence[LayerCost],
     held: Sequence[float],
     limit: float,
     optimizer_factor: float = 0.0,
+    checkpoint: str = "never",
 ) -> tuple[int, ...]:
     """The fastest cut into ``len(held)`` stages meeting ``limit`` in the linear model above.
 
@@ -43,6 +60,7 @@ def memory_capped_cut(
         held: per stage, the most micro-batches it holds at once (one chunk each).
         limit: bytes per stage.
         optimizer_factor: optimizer-state bytes per parameter byte.
+        checkpoint: the recomputation mode ("never", "except_last" or "always").
 
     Returns:
         Layers per stage of a cut whose slowest stage is smallest (the first such
@@ -50,7 +68,8 @@ def memory_capped_cut(
         simulator ranks plans); when no cut meets ``limit``, one of those with the
         least linear memory.
     """
-    ratios = [Fraction(h).limit_denominator(1000) for h in held]
+    full, kept = _full_and_inputs(held, checkpoint)
+    ratios = [Fraction(h).limit_denominator(1000) for h in full + kept]
     scale = math.lcm(*(ratio.denominator for ratio in ratios))
     inputs = [0] + [cost.activation_bytes for cost in costs[:-1]]
     cap = MemoryCap(
@@ -58,8 +77,11 @@ def memory_capped_cut(
                                 for cost in costs), initial=0)),
         saved=tuple(accumulate((max(cost.saved_bytes, before)
                                 for cost, before in zip(costs, inputs)), initial=0)),
-        held=tuple(math.ceil(ratio * scale) for ratio in ratios),
+        held=tuple(math.ceil(ratio * scale) for ratio in ratios[:len(held)]),
         limit=math.floor(Fraction(limit) * scale),
+        inputs=_largest_from(inputs) if any(kept) else (),
+        held_inputs=tuple(math.ceil(ratio * scale) for ratio in ratios[len(held):])
+        if any(kept) else (),
     )
     problem = Problem(_time_prefix(costs), len(held), memory=cap)
     try:
@@ -69,8 +91,7 @@ def memory_capped_cut(
     ends = list(accumulate(_even(len(costs), len(held)), initial=0))
     fits = max(cap.stage(ends[s], ends[s + 1], s) for s in range(len(held)))
     least = smallest_memory_cap(problem, fits)
-    return _fastest(Problem(problem.prefix, problem.stages,
-                            memory=MemoryCap(cap.fixed, cap.saved, cap.held, least)))
+    return _fastest(Problem(problem.prefix, problem.stages, memory=replace(cap, limit=least)))
 
 
 def _fastest(problem: Problem) -> tuple[int, ...]:
@@ -99,14 +120,22 @@ def _time_prefix(costs: Sequence[LayerCost]) -> tuple[int, ...]:
 
 def cut_memory(
     costs: Sequence[LayerCost], sizes: Sequence[int], held: Sequence[float],
-    optimizer_factor: float = 0.0,
+    optimizer_factor: float = 0.0, checkpoint: str = "never",
 ) -> list[float]:
     """Per stage, the linear model's bytes for the cut ``sizes`` (for tests and reports)."""
+    full, kept = _full_and_inputs(held, checkpoint)
     inputs = [0] + [cost.activation_bytes for cost in costs[:-1]]
+    largest = _largest_from(inputs)
     ends = list(accumulate(sizes, initial=0))
     return [
         sum(math.ceil((2 + optimizer_factor) * costs[i].param_bytes) for i in range(a, b))
-        + held[s] * sum(max(costs[i].saved_bytes, inputs[i]) for i in range(a, b))
+        + full[s] * sum(max(costs[i].saved_bytes, inputs[i]) for i in range(a, b))
+        + kept[s] * largest[a]
         for s, (a, b) in enumerate(zip(ends, ends[1:]))
     ]
+
+
+def _largest_from(inputs: Sequence[int]) -> tuple[int, ...]:
+    """Per layer, the largest input of it and every later layer."""
+    return tuple(reversed(list(accumulate(reversed(inputs), max))))
 

@@ -59,7 +59,7 @@ def brute_force(
                         if limit is None or peak <= limit or chunks != stages:
                             break
                         held = info.memory(stages, m, **dict(options))
-                        capped = memory_capped_cut(layers, held, limit)
+                        capped = memory_capped_cut(layers, held, limit, checkpoint=mode)
                         if capped == cut:
                             break
                         cut = capped
@@ -233,3 +233,22 @@ def test_the_runtimes_overhead_is_added_to_every_action() -> None:
     assert paid.step_time > bare.step_time
     with pytest.raises(ValueError, match="action_overhead"):
         plan(layers, stages=2, batch=4, action_overhead=-1.0)
+
+
+def test_the_memory_cut_counts_what_recomputation_drops() -> None:
+    # The first two layers save 300 bytes a micro-batch, and every layer passes on only 10:
+    # recomputed, a held micro-batch keeps just its stage's input.
+    layers = [LayerCost(forward=1.0, backward=2.0, saved_bytes=300 if i < 2 else 10,
+                        activation_bytes=10) for i in range(6)]
+    held = schedule_info("1f1b").memory(2, 4)  # 2 and 1 micro-batches
+    limit = 450.0
+    kept_whole = memory_capped_cut(layers, held, limit, checkpoint="never")
+    assert max(cut_memory(layers, kept_whole, held)) > limit  # nothing fits without recomputing
+    recomputed = memory_capped_cut(layers, held, limit, checkpoint="always")
+    assert max(cut_memory(layers, recomputed, held, checkpoint="always")) <= limit
+    timeline = simulate(get_schedule("1f1b", 2, 4), costs=candidate_costs(
+        chunk_sums(layers, recomputed), (), "always"))
+    assert max(timeline.peak_bytes) <= limit  # the linear model never under-estimates
+    chosen = plan(linear_costs(layers, rows=1), stages=2, batch=4, memory_limit=limit,
+                  schedules=["1f1b"], microbatch_counts=[4], checkpoints=["always"])
+    assert max(chosen.peak_memory) <= limit
