@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -34,6 +34,10 @@ class LayerCost:
         backward_weight: seconds of the weight-gradient half (W), run after I on the
             graph I kept. 0 for a layer without parameters. ``I + W`` is usually
             more than ``backward``: the graph is walked twice.
+        shared_input_bytes: the part of ``saved_bytes`` that is the layer's input which
+            the layer before saves too, as its output (a Linear after a ReLU): in one
+            chunk that tensor is kept once, so a chunk's saved bytes count it only
+            where the chunk starts at this layer (``saved_bytes_of``).
     """
 
     forward: float
@@ -44,16 +48,20 @@ class LayerCost:
     name: str = ""
     backward_input: float = 0.0
     backward_weight: float = 0.0
+    shared_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_seconds("LayerCost", {
             field: getattr(self, field)
             for field in ("forward", "backward", "backward_input", "backward_weight")
         })
-        for field in ("param_bytes", "activation_bytes", "saved_bytes"):
+        for field in ("param_bytes", "activation_bytes", "saved_bytes", "shared_input_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LayerCost.{field}: expected an int >= 0, got {value!r}")
+        if self.shared_input_bytes > self.saved_bytes:
+            raise ValueError(f"LayerCost.shared_input_bytes: expected at most saved_bytes "
+                             f"({self.saved_bytes}), got {self.shared_input_bytes}")
 
     @property
     def time(self) -> float:
@@ -118,3 +126,10 @@ class Profile(list[LayerCost]):
             f"Profile({list.__repr__(self)}, loss={self.loss!r}, "
             f"microbatch_size={self.microbatch_size!r}, device={self.device!r})"
         )
+
+
+def saved_bytes_of(layers: Sequence[LayerCost]) -> int:
+    """Bytes autograd keeps for one micro-batch of these consecutive layers run as one
+    chunk: each layer's ``saved_bytes``, a tensor two neighbours both save counted once."""
+    return sum(cost.saved_bytes for cost in layers) - sum(
+        cost.shared_input_bytes for cost in layers[1:])

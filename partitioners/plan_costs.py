@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from partitioners.cost import LayerCost, LossCost, Profile
+from partitioners.cost import LayerCost, LossCost, Profile, saved_bytes_of
 from schedules import Costs, Link
 
 Hop = float | Link
@@ -71,7 +71,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
             input_grad = weight_grad = backward / 2
         for name, value in zip(fields, (forward, backward, input_grad, weight_grad)):
             fields[name].append(value + overhead)
-        saved.append(sum(cost.saved_bytes for cost in layers))
+        saved.append(saved_bytes_of(layers))
         params.append(sum(cost.param_bytes for cost in layers))
         inputs.append(costs[first - 1].activation_bytes if first else 0)
     if loss is not None:
@@ -218,6 +218,8 @@ def linear_costs(costs: Sequence[LayerCost], rows: int) -> Callable[[int], list[
                 saved_bytes=-(-cost.saved_bytes * size // rows), name=cost.name,
                 backward_input=cost.backward_input * factor,
                 backward_weight=cost.backward_weight * factor,
+                shared_input_bytes=min(-(-cost.shared_input_bytes * size // rows),
+                                       -(-cost.saved_bytes * size // rows)),
             )
             for cost in costs
         ]

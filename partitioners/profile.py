@@ -20,6 +20,7 @@ from partitioners.tensors import (
     fresh_inputs,
     nbytes,
     storage_pointers,
+    tensors_of,
     to_device,
 )
 from partitioners.timing import run_full, run_loss, run_split
@@ -133,9 +134,11 @@ def _measure_layers(
     """Every layer's cost, in order, and the last layer's (detached) output."""
     costs = []
     charged: set[int] = set()
+    kept_output: list[bool] = []  # per output tensor of the layer before: did it save it?
     for index, layer in enumerate(layers):
         try:
-            cost, inputs = _measure(layer, inputs, index > 0, device, warmup, repeat, charged)
+            cost, inputs, kept_output = _measure(layer, inputs, index > 0, device, warmup,
+                                                 repeat, charged, kept_output)
         except Exception as error:  # noqa: BLE001 - re-raised with the layer named
             raise RuntimeError(
                 f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
@@ -212,17 +215,24 @@ def _measure(
     warmup: int,
     repeat: int,
     charged: set[int],
-) -> tuple[LayerCost, Any]:
-    """Time one layer on ``inputs``; return its cost and its (detached) output.
+    kept_before: list[bool],
+) -> tuple[LayerCost, Any, list[bool]]:
+    """Time one layer on ``inputs``; return its cost, its (detached) output, and per
+    output tensor whether the layer saves it for its backward.
 
     ``charged`` holds the ids of parameters an earlier layer already counted: a shared
     parameter (a head tied to the embedding) is charged to its first layer only.
+    ``kept_before`` says which of its input tensors the layer before saved (as outputs).
     """
     counter = SavedBytes(exclude=storage_pointers(layer))
+    fresh = fresh_inputs(inputs, grad_input)[0]
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        output = layer(fresh_inputs(inputs, grad_input)[0])
+        output = layer(fresh)
     activation_bytes = nbytes(output)
-    del output
+    shared = sum(nbytes(tensor) for tensor, before in zip(tensors_of(fresh), kept_before)
+                 if before and counter.saved(tensor))
+    kept_output = [counter.saved(tensor) for tensor in tensors_of(output)]
+    del output, fresh
     times: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
     for run in range(warmup + repeat):
         forward, backward, output = run_full(layer, inputs, grad_input, device)
@@ -242,8 +252,9 @@ def _measure(
         name=type(layer).__name__,
         backward_input=median["input"],
         backward_weight=median["weight"],
+        shared_input_bytes=min(shared, counter.total),
     )
-    return cost, detached(output)
+    return cost, detached(output), kept_output
 
 
 def _charge(layer: nn.Module, charged: set[int]) -> int:

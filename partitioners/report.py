@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partitioners.cost import LayerCost, LossCost, Profile
+from partitioners.cost import LayerCost, LossCost, Profile, saved_bytes_of
 from partitioners.units import format_bytes
 from schedules import Link, Timeline, get_schedule, simulate
 
@@ -125,7 +125,7 @@ def report(
                 backward=sum(cost.backward for cost in layers),
                 share=sum(cost.time for cost in layers) / total,
                 param_bytes=sum(cost.param_bytes for cost in layers),
-                saved_bytes=sum(cost.saved_bytes for cost in layers),
+                saved_bytes=saved_bytes_of(layers),
                 held=held[stage],
                 send_bytes=0 if last else layers[-1].activation_bytes,
                 send_time=0.0 if last or not bandwidth else layers[-1].activation_bytes / bandwidth,

@@ -16,11 +16,12 @@ def _map(value: Any, function: Any) -> Any:
     return value
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of ``value`` (a tensor, or nested tuples and lists), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in _tensors(item)]
+        return [tensor for item in value for tensor in tensors_of(item)]
     return []
 
 
@@ -66,7 +67,7 @@ def fresh_inputs(value: Any, grad: bool) -> tuple[Any, list[torch.Tensor]]:
 
 def nbytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (views count their own elements only)."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(value))
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors_of(value))
 
 
 def storage_pointers(module: nn.Module) -> set[int]:
@@ -105,3 +106,7 @@ class SavedBytes:
 
     def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def saved(self, tensor: torch.Tensor) -> bool:
+        """Whether autograd saved ``tensor``'s storage (and it was counted)."""
+        return _storage_key(tensor)[0] in self.seen

@@ -302,3 +302,24 @@ def test_micro_batch_and_loss_errors(options: dict, error: type, pattern: str) -
     model = nn.Sequential(nn.Linear(8, 4))
     with pytest.raises(error, match=pattern):
         profile(model, torch.randn(64, 8), warmup=0, repeat=1, **options)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_tensor_two_neighbours_save_counts_once_in_a_chunk(inplace: bool) -> None:
+    from partitioners.cost import saved_bytes_of
+    from partitioners.tensors import SavedBytes, storage_pointers
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=inplace), nn.Linear(64, 64),
+                          nn.Tanh(), nn.Linear(64, 8))
+    x = torch.randn(8, 16)
+    layers = list(profile(model, x, warmup=0, repeat=1, progress=False))
+    assert layers[2].shared_input_bytes == 8 * 64 * 4  # the ReLU's output, the Linear's input
+    for first in range(len(layers)):
+        for end in range(first + 1, len(layers) + 1):
+            chunk = model[first:end]
+            counter = SavedBytes(exclude=storage_pointers(chunk))
+            inputs = model[:first](x).detach().clone().requires_grad_(first > 0)
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                chunk(inputs.clone() if inplace else inputs)
+            assert saved_bytes_of(layers[first:end]) == counter.total, (first, end)
