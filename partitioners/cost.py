@@ -81,13 +81,20 @@ class LossCost:
     Attributes:
         forward: seconds of ``loss_fn(output, target)``.
         backward: seconds of its backward, down to the gradient of the output.
+        saved_bytes: bytes autograd keeps for that backward (a cross-entropy's
+            softmax), beyond what the last layer keeps already.
     """
 
     forward: float
     backward: float
+    saved_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_seconds("LossCost", {"forward": self.forward, "backward": self.backward})
+        if not isinstance(self.saved_bytes, int) or isinstance(self.saved_bytes, bool) \
+                or self.saved_bytes < 0:
+            raise ValueError(f"LossCost.saved_bytes: expected an int >= 0, "
+                             f"got {self.saved_bytes!r}")
 
     @property
     def time(self) -> float:

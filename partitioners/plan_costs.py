@@ -76,6 +76,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         inputs.append(costs[first - 1].activation_bytes if first else 0)
     if loss is not None:
         _charge_loss(fields, loss)
+        saved[-1] += loss.saved_bytes
     return ChunkSums(
         *(tuple(values) for values in fields.values()),  # type: ignore[arg-type]
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs),
@@ -223,7 +224,8 @@ def linear_costs(costs: Sequence[LayerCost], rows: int) -> Callable[[int], list[
             )
             for cost in costs
         ]
-        scaled = None if loss is None else LossCost(loss.forward * factor, loss.backward * factor)
+        scaled = None if loss is None else LossCost(
+            loss.forward * factor, loss.backward * factor, -(-loss.saved_bytes * size // rows))
         return Profile(layers, loss=scaled, microbatch_size=size)
 
     return at

@@ -20,6 +20,7 @@ from partitioners.tensors import (
     fresh_inputs,
     nbytes,
     storage_pointers,
+    storages_of,
     tensors_of,
     to_device,
 )
@@ -120,18 +121,19 @@ def profile(
         layers = tqdm(
             model, desc="profile", unit="layer", disable=not show, file=sys.stderr, leave=False
         )
-        costs, inputs = _measure_layers(layers, inputs, device_, warmup, repeat)
+        costs, inputs, kept_output = _measure_layers(layers, inputs, device_, warmup, repeat)
         loss = None
         if loss_fn is not None:
             loss = _measure_loss(loss_fn, inputs, to_device(target, device_), device_,
-                                 warmup, repeat)
+                                 warmup, repeat, kept_output)
     return Profile(costs, loss=loss, microbatch_size=rows, device=str(device_))
 
 
 def _measure_layers(
     layers: Any, inputs: Any, device: torch.device, warmup: int, repeat: int
-) -> tuple[list[LayerCost], Any]:
-    """Every layer's cost, in order, and the last layer's (detached) output."""
+) -> tuple[list[LayerCost], Any, list[bool]]:
+    """Every layer's cost, in order, the last layer's (detached) output, and which of its
+    tensors the last layer saves."""
     costs = []
     charged: set[int] = set()
     kept_output: list[bool] = []  # per output tensor of the layer before: did it save it?
@@ -144,7 +146,7 @@ def _measure_layers(
                 f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
             ) from error
         costs.append(cost)
-    return costs, inputs
+    return costs, inputs, kept_output
 
 
 def _measure_loss(
@@ -154,20 +156,35 @@ def _measure_loss(
     device: torch.device,
     warmup: int,
     repeat: int,
+    kept_before: list[bool],
 ) -> LossCost:
-    forwards, backwards = [], []
-    for run in range(warmup + repeat):
-        try:
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    try:
+        saved = _loss_saved_bytes(loss_fn, output, target, kept_before)
+        forwards, backwards = [], []
+        for run in range(warmup + repeat):
             forward, backward = run_loss(loss_fn, output, target, device)
-        except Exception as error:  # noqa: BLE001 - re-raised with the loss named
-            raise RuntimeError(
-                f"profiling the loss ({getattr(loss_fn, '__name__', type(loss_fn).__name__)}) "
-                f"on the last layer's output failed: {error}"
-            ) from error
-        if run >= warmup:
-            forwards.append(forward)
-            backwards.append(backward)
-    return LossCost(statistics.median(forwards), statistics.median(backwards))
+            if run >= warmup:
+                forwards.append(forward)
+                backwards.append(backward)
+    except Exception as error:  # noqa: BLE001 - re-raised with the loss named
+        raise RuntimeError(
+            f"profiling the loss ({name}) on the last layer's output failed: {error}"
+        ) from error
+    return LossCost(statistics.median(forwards), statistics.median(backwards), saved)
+
+
+def _loss_saved_bytes(loss_fn: Callable[..., Any], output: Any, target: Any,
+                      kept_before: list[bool]) -> int:
+    """What the loss keeps for its backward, less the target (held anyway) and the output
+    tensors the last layer keeps already."""
+    counter = SavedBytes(exclude=storages_of(target))
+    fresh = fresh_inputs(output, True)[0]
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        loss_fn(fresh, target)
+    shared = sum(nbytes(tensor) for tensor, before in zip(tensors_of(fresh), kept_before)
+                 if before and counter.saved(tensor))
+    return max(counter.total - shared, 0)
 
 
 def _check_arguments(model: Any, sample: Any, warmup: int, repeat: int) -> None:

@@ -125,7 +125,8 @@ def report(
                 backward=sum(cost.backward for cost in layers),
                 share=sum(cost.time for cost in layers) / total,
                 param_bytes=sum(cost.param_bytes for cost in layers),
-                saved_bytes=saved_bytes_of(layers),
+                saved_bytes=saved_bytes_of(layers)
+                + (loss.saved_bytes if last and loss is not None else 0),
                 held=held[stage],
                 send_bytes=0 if last else layers[-1].activation_bytes,
                 send_time=0.0 if last or not bandwidth else layers[-1].activation_bytes / bandwidth,

@@ -76,6 +76,11 @@ def storage_pointers(module: nn.Module) -> set[int]:
     return {_storage_key(tensor)[0] for tensor in tensors}
 
 
+def storages_of(value: Any) -> set[int]:
+    """Storage addresses of the tensors of ``value``."""
+    return {_storage_key(tensor)[0] for tensor in tensors_of(value)}
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the memory ``tensor`` keeps alive."""
     try:

@@ -44,10 +44,13 @@ def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str)
 
 
 def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
-                sample: Any, devices: Sequence[torch.device], memory_limit: float | None,
-                group: Any, timeout: float) -> Any:
+                samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
+                memory_limit: float | None, group: Any, timeout: float) -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
-    rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept."""
+    rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
+    is (a batch, its target or None, the loss function or None): with both of the last
+    two, the loss is profiled too."""
+    sample, target, loss_fn = samples
     from partitioners import plan_for_model
 
     if not isinstance(schedule, str):
@@ -66,8 +69,10 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
                 "(with a group: on rank 0, which plans for every rank)"
             )
         first = sample[0] if isinstance(sample, list) else sample
+        with_loss = target is not None and loss_fn is not None
         return plan_for_model(
-            model, first, stages=stages, memory_limit=memory_limit, devices=list(devices)[:1],
+            model, first, target if with_loss else None, loss_fn if with_loss else None,
+            stages=stages, memory_limit=memory_limit, devices=list(devices)[:1],
             hop=hop, action_overhead=action_overhead(devices[0]),
             microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
             schedules=None if schedule == "auto" else [schedule],

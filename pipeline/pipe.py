@@ -69,6 +69,8 @@ class Pipe:
         memory_report: measure the activation memory each stage holds (``pipe.memory``);
             off by default, since it hooks every tensor autograd saves.
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
+        sample_target: the target of ``sample``: with ``"auto"``, the loss's time and the
+            memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
         group: a process group for one stage per rank (see ``pipeline.distributed``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
@@ -102,6 +104,7 @@ class Pipe:
         transport: str = "auto",
         memory_report: bool = False,
         memory_limit: float | None = None,
+        sample_target: Any = None,
     ) -> None:
         if group is not None:
             # First, before anything that could raise on some ranks and not others.
@@ -131,8 +134,9 @@ class Pipe:
         self._devices = self._resolve_devices(devices, stage_count)
         self._plan: Any = None
         if planning:
-            self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count, sample,
-                                     self._devices, memory_limit, group, timeout)
+            self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
+                                     (sample, sample_target, loss_fn), self._devices,
+                                     memory_limit, group, timeout)
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]

@@ -272,7 +272,9 @@ def test_loss_time_is_measured_apart_and_the_target_is_cut_too() -> None:
                     target=target)
     assert isinstance(costs.loss, LossCost)
     assert costs.loss.forward > 0 and costs.loss.backward > 0
-    assert seen == [(8, 8), (8, 8)]
+    assert seen == [(8, 8)] * 3  # one untimed run counts the bytes it saves, then 2 timed
+    # Cross-entropy keeps the log-softmax of its 8 x 10 logits for its backward.
+    assert costs.loss.saved_bytes == pytest.approx(8 * 10 * 4, abs=64)
     weighted = nn.CrossEntropyLoss(weight=torch.ones(10))
     assert profile(model, batch, loss_fn=weighted, target=target, repeat=1).loss is not None
     assert weighted.weight.device.type == "cpu"

@@ -61,3 +61,28 @@ def test_rank_zero_plans_and_every_rank_runs_the_same_pick() -> None:
     for _, error, _ in results:
         assert error < TOLERANCE
     assert sum(compared for _, _, compared in results) == 16
+
+
+def test_a_sample_target_has_the_loss_profiled_for_the_plan() -> None:
+    x, y = batch("mlp", 16)
+    seen: list[tuple[int, ...]] = []
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(target.shape))
+        return nn.functional.mse_loss(output, target)
+
+    Pipe(build("mlp"), chunks=4, schedule="auto", checkpoint="never", devices=["cpu", "cpu"],
+         sample=x, loss_fn=loss_fn)
+    assert seen == []  # no target: the plan has no loss in it
+    Pipe(build("mlp"), chunks=4, schedule="auto", checkpoint="never", devices=["cpu", "cpu"],
+         sample=x, sample_target=y, loss_fn=loss_fn)
+    assert seen and all(shape == (4,) + tuple(y.shape[1:]) for shape in seen)
+
+
+def test_the_losss_saved_bytes_are_held_by_the_last_chunk() -> None:
+    from partitioners import LayerCost, LossCost, Profile
+    from partitioners.plan_costs import chunk_sums
+
+    layers = Profile([LayerCost(forward=1.0, backward=1.0, saved_bytes=10)] * 4,
+                     loss=LossCost(forward=0.5, backward=0.5, saved_bytes=7))
+    assert chunk_sums(layers, [2, 2]).saved == (20, 27)
