@@ -117,8 +117,8 @@ class OurPipe:
                  memory_report: bool = False) -> None:
         self.x, self.y = workload.batch()
         self.pipe = Pipe(workload.build(), loss_fn=workload.loss(), sample=self.x,
-                         group=dist.group.WORLD, memory_report=memory_report, timeout=TIMEOUT,
-                         **options)
+                         sample_target=self.y, group=dist.group.WORLD,
+                         memory_report=memory_report, timeout=TIMEOUT, **options)
 
     def step(self) -> None:
         self.pipe.zero_grad()
