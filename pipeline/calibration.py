@@ -22,6 +22,7 @@ The result, a ``HopModel``, is callable as ``Costs.comm``.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -50,10 +51,23 @@ class HopModel:
         links: ``((source, destination, Link), ...)``, one entry per calibrated
             pair, in both directions.
         method: how the links were measured (for reports).
+        senders: like ``links``, what a send costs the *sending* stage's own time
+            (copying the payload into its message, the ``isend`` call, which under
+            gloo writes the bytes when the receive is posted, and the yield after it):
+            charged to the action whose result is sent, not to the hop. Empty where
+            sends cost the sender nothing worth counting (threads of one process).
     """
 
     links: tuple[tuple[int, int, Link], ...] = ()
     method: str = "none"
+    senders: tuple[tuple[int, int, Link], ...] = ()
+
+    def send_seconds(self, source: int, destination: int, nbytes: float) -> float:
+        """Seconds the sending stage spends sending ``nbytes`` (0 when not calibrated)."""
+        for start, end, found in self.senders:
+            if (start, end) == (source, destination):
+                return found(source, destination, nbytes)
+        return 0.0
 
     def link(self, source: int, destination: int) -> Link:
         """The link from ``source`` to ``destination``; a free one for a stage to itself.
@@ -130,7 +144,7 @@ def calibrate_group(group: Any, schedule: Schedule, device: torch.device,
     from pipeline.collectives import gather_objects
 
     stage = dist.get_rank(group)
-    mine: dict[tuple[int, int], tuple[float, float]] = {}
+    mine: dict[tuple[int, int], tuple[float, ...]] = {}
     for index, (low, high) in enumerate(hop_pairs(schedule)):
         if stage in (low, high):
             peer = high if stage == low else low
@@ -138,38 +152,54 @@ def calibrate_group(group: Any, schedule: Schedule, device: torch.device,
             if stage == low:
                 mine[(low, high)] = times
     gathered = gather_objects(mine, group, timeout, "sharing the calibrated links", device)
-    links = []
+    links, senders = [], []
     for measured in gathered:
-        for (low, high), (small, large) in measured.items():
+        for (low, high), (small, large, send_small, send_large) in measured.items():
             link = fit_link(small, large)
             links += [(low, high, link), (high, low, link)]
+            sender = fit_link(send_small, send_large)
+            senders += [(low, high, sender), (high, low, sender)]
     return HopModel(tuple(links), "gloo ping-pong" if dist.get_backend(group) == "gloo"
-                    else f"{dist.get_backend(group)} ping-pong")
+                    else f"{dist.get_backend(group)} ping-pong", tuple(senders))
 
 
 def _ping_pong(group: Any, peer: int, leads: bool, device: torch.device, timeout: float,
-               pair: int) -> tuple[float, float]:
-    """One-way seconds (median of half round trips) for the small and the large message."""
+               pair: int) -> tuple[float, float, float, float]:
+    """One-way seconds (median of half round trips) for the small and the large message,
+    then what a send of each cost the leader itself (median), sent as the runtime sends:
+    the payload copied into the message, the receive posted before, a yield after."""
     import torch.distributed as dist
 
     global_peer = dist.get_global_rank(group, peer)
-    found = []
+    yields = device.type == "cpu" and hasattr(os, "sched_yield")  # as GlooTransport does
+    trips_found, sends_found = [], []
     for size_index, nbytes in enumerate((SMALL_BYTES, LARGE_BYTES)):
-        buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        payload = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        message = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         tag = 1_000_000 + pair * 2 + size_index
-        trips = []
+        trips, sends = [], []
+        incoming = dist.irecv(message, global_peer, group=group, tag=tag)
         for round_index in range(UNTIMED + ROUNDS):
             start = time.perf_counter()
+            if not leads:
+                _wait(incoming, timeout, peer)
+            message.copy_(payload)
+            sent = time.perf_counter()
+            outgoing = dist.isend(message, global_peer, group=group, tag=tag)
+            if yields:
+                os.sched_yield()
+            spent = time.perf_counter() - sent
             if leads:
-                _wait(dist.isend(buffer, global_peer, group=group, tag=tag), timeout, peer)
-                _wait(dist.irecv(buffer, global_peer, group=group, tag=tag), timeout, peer)
-            else:
-                _wait(dist.irecv(buffer, global_peer, group=group, tag=tag), timeout, peer)
-                _wait(dist.isend(buffer, global_peer, group=group, tag=tag), timeout, peer)
+                _wait(incoming, timeout, peer)
+            _wait(outgoing, timeout, peer)
+            if round_index + 1 < UNTIMED + ROUNDS:
+                incoming = dist.irecv(message, global_peer, group=group, tag=tag)
             if round_index >= UNTIMED:
                 trips.append((time.perf_counter() - start) / 2)
-        found.append(statistics.median(trips))
-    return found[0], found[1]
+                sends.append(spent)
+        trips_found.append(statistics.median(trips))
+        sends_found.append(statistics.median(sends))
+    return trips_found[0], trips_found[1], sends_found[0], sends_found[1]
 
 
 def _wait(work: Any, timeout: float, peer: int) -> None:
@@ -333,10 +363,13 @@ def measured_hop_delay(schedule: Schedule, *timelines: Any) -> float | None:
 
 
 def refined(hops: HopModel, delay: float, payload: float) -> HopModel:
-    """``hops`` with every link's latency set so that a hop of ``payload`` bytes takes ``delay``.
+    """``hops`` with every link's latency set so that a hop of ``payload`` bytes takes ``delay``
+    after its producer's event ended, the sender's own cost of the send included (it is
+    charged to the producer's action, so it comes off the latency).
 
-    Bandwidths stay as calibrated; a latency is at least 1 ns.
+    Bandwidths and send costs stay as calibrated; a latency is at least 1 ns.
     """
-    links = tuple((s, d, Link(max(delay - payload / link.bandwidth, 1e-9), link.bandwidth))
+    links = tuple((s, d, Link(max(delay - payload / link.bandwidth
+                                  - hops.send_seconds(s, d, payload), 1e-9), link.bandwidth))
                   for s, d, link in hops.links)
-    return HopModel(links, f"{hops.method}, refined from a measured step")
+    return HopModel(links, f"{hops.method}, refined from a measured step", hops.senders)

@@ -192,21 +192,27 @@ def build_costs(
     A recomputed micro-batch's forward keeps no graph and its B (or I) re-runs the
     forward: ``Costs`` adds the chunk's F to those, so F is the recomputed forward
     and B what remains of the measured recomputed backward. Each action also pays
-    its stage's executor overhead once.
+    its stage's executor overhead once, and an action whose result goes to another
+    stage the send's cost to its own stage (``HopModel.send_seconds``).
     """
     recompute = checkpoint != "never"
+    placement = schedule.placement
     forward, backward, input_grad, weight_grad = [], [], [], []
     for c in range(schedule.chunks):
-        cost, extra = measured[c], overhead[schedule.placement[c]]
+        cost, extra = measured[c], overhead[placement[c]]
+        send_on = 0.0 if c + 1 == schedule.chunks else hops.send_seconds(
+            placement[c], placement[c + 1], cost.output_bytes)
+        send_back = 0.0 if c == 0 else hops.send_seconds(
+            placement[c], placement[c - 1], cost.input_bytes)
         if recompute:
             f = cost.recompute_forward + extra
-            forward.append(f)
-            backward.append(max(cost.recompute_backward + extra - f, 0.0))
-            input_grad.append(max(cost.recompute_input_grad + extra - f, 0.0))
+            forward.append(f + send_on)
+            backward.append(max(cost.recompute_backward + extra - f, 0.0) + send_back)
+            input_grad.append(max(cost.recompute_input_grad + extra - f, 0.0) + send_back)
         else:
-            forward.append(cost.forward + extra)
-            backward.append(cost.backward + extra)
-            input_grad.append(cost.input_grad + extra)
+            forward.append(cost.forward + extra + send_on)
+            backward.append(cost.backward + extra + send_back)
+            input_grad.append(cost.input_grad + extra + send_back)
         weight_grad.append(cost.weight_grad + extra)
     top = max(rows)
     fixed_per_chunk = [0.0] * schedule.chunks

@@ -113,3 +113,14 @@ def predict_contention(rank: int, world: int) -> dict[str, Any]:
     prediction = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
     pipe.close()
     return {"contention": prediction.contention, "makespan": prediction.timeline.makespan}
+
+
+def calibrated_links(rank: int, world: int) -> dict[str, Any]:
+    """The hop model ``calibrate_group`` gives every rank of a 1F1B pipeline."""
+    from pipeline.calibration import calibrate_group
+    from schedules import get_schedule
+
+    hops = calibrate_group(dist.group.WORLD, get_schedule("1f1b", world, world),
+                           torch.device("cpu"), 30.0)
+    return {"links": [(s, d, k.latency, k.bandwidth) for s, d, k in hops.links],
+            "senders": [(s, d, k.latency, k.bandwidth) for s, d, k in hops.senders]}

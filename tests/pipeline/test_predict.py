@@ -18,6 +18,7 @@ from tests.pipeline.dist_harness import run_ranks
 from tests.pipeline.predict_workers import (
     batch,
     bn_mlp,
+    calibrated_links,
     changed,
     predict_missing_target,
     predict_untouched,
@@ -216,3 +217,34 @@ def test_after_several_steps_each_stage_computes_its_median_measured_busy_time()
     for stage in range(2):
         median = statistics.median(t.busy[stage] for t in measured[-RECENT_STEPS:])
         assert refined.busy[stage] == pytest.approx(median, rel=1e-9)
+
+
+def test_a_send_costs_the_sending_action_not_the_hop() -> None:
+    from pipeline.calibration import HopModel, refined
+    from pipeline.predict import FixedBytes, build_costs
+    from pipeline.probe import ChunkCosts
+
+    schedule = get_schedule("1f1b", 2, 4)
+    chunks = {c: ChunkCosts(chunk=c, forward=1.0, backward=2.0, input_grad=0.0, weight_grad=0.0,
+                            recompute_forward=1.0, recompute_backward=3.0,
+                            recompute_input_grad=0.0, saved_bytes=10,
+                            input_bytes=0 if c == 0 else 100, output_bytes=100 if c == 0 else 0)
+              for c in range(2)}
+    hop = Link(latency=0.5, bandwidth=1000.0)
+    send = Link(latency=0.25, bandwidth=400.0)  # 0.25 + 100 / 400 = 0.5 s a send
+    hops = HopModel(((0, 1, hop), (1, 0, hop)), "test", ((0, 1, send), (1, 0, send)))
+    fixed = {s: FixedBytes(0, 0, 0, 0) for s in range(2)}
+    costs = build_costs(schedule, chunks, (0.0, 0.0), fixed, hops, [8] * 4, "never")
+    assert list(costs.forward) == [1.5, 1.0]  # chunk 0 sends its output on
+    assert list(costs.backward) == [2.0, 2.5]  # chunk 1 sends its input's gradient back
+    # A measured hop of 1.2 s after the producer's event: 0.1 s of bandwidth and 0.5 s of
+    # sending come off, the latency is what remains.
+    assert refined(hops, 1.2, 100).link(0, 1).latency == pytest.approx(0.6)
+    assert refined(hops, 1.2, 100).senders == hops.senders
+
+
+def test_calibrating_across_ranks_measures_what_a_send_costs_its_sender() -> None:
+    links = run_ranks(calibrated_links, 2)
+    assert links[0] == links[1]
+    (source, destination, latency, bandwidth), = links[0]["senders"][:1]
+    assert (source, destination) == (0, 1) and 0 < latency < 0.1 and bandwidth > 0
