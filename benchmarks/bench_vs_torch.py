@@ -23,8 +23,9 @@ gradients disagree with one process's.
 With ``--model tiny|mlp`` it instead compares one model at M=8 (``--schedules``), each
 side in fresh processes, launches alternating, and prints our step's breakdown per rank
 (``pipeline.executor.StepMeter``); ``--trace out.json`` writes our last step's timeline.
-Two experiment knobs for our gloo transport, read in each rank: ``BENCH_YIELD=0|1``
-(``os.sched_yield`` after each send) and ``BENCH_LOOKAHEAD=n`` (receives posted ahead).
+Experiment knobs for our gloo transport, read in each rank: ``BENCH_YIELD=0|1``
+(``os.sched_yield`` after each send), ``BENCH_LOOKAHEAD=n`` (receives posted ahead, at
+least) and ``BENCH_AHEAD_BYTES=n`` (more while their buffers fit in n bytes; 0: no more).
 """
 
 from __future__ import annotations
@@ -394,8 +395,10 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
         runner.pipe._runner.meter = meter
         if os.environ.get("BENCH_YIELD") is not None:  # an experiment: yield after sends or not
             runner.pipe._runner.transport.yield_after_send = os.environ["BENCH_YIELD"] == "1"
-        if os.environ.get("BENCH_LOOKAHEAD") is not None:  # receives posted ahead, at most
+        if os.environ.get("BENCH_LOOKAHEAD") is not None:  # receives posted ahead, at least
             runner.pipe._runner.transport.lookahead = int(os.environ["BENCH_LOOKAHEAD"])
+        if os.environ.get("BENCH_AHEAD_BYTES") is not None:  # and more within these bytes
+            runner.pipe._runner.transport.ahead_bytes = int(os.environ["BENCH_AHEAD_BYTES"])
     for _ in range(warmup):
         _timed(runner.step)
     meter.reset()

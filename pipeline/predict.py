@@ -413,7 +413,9 @@ def _receive_buffers(runner: Any, stage: int, measured: dict[int, ChunkCosts]) -
         if c in measured and c + 1 < schedule.chunks and schedule.placement[c + 1] != stage:
             incoming.append(measured[c].output_bytes)  # gradients back, the output's size
     ahead = int(getattr(transport, "lookahead", 1))
-    return ahead * max(incoming, default=0)
+    largest = ahead * max(incoming, default=0)
+    budget = int(getattr(transport, "ahead_bytes", 0))  # small messages: all posted at once
+    return max(largest, min(budget, schedule.microbatches * sum(incoming)))
 
 
 def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
