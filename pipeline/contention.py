@@ -93,7 +93,7 @@ def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: Any
             failure = f"{type(error).__name__}: {error}"
             return 0.0
 
-    longest = torch.tensor([max(window, 3 * timed(0.0))], dtype=torch.float64, device=device)
+    longest = torch.tensor([max(window, 2 * timed(0.0))], dtype=torch.float64, device=device)
     all_reduce(longest, group, timeout, "agreeing on predict()'s contention window",
                dist.ReduceOp.MAX)
     window = float(longest)

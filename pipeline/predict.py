@@ -306,9 +306,12 @@ def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | 
 def _contention(runner: Any, work: dict[int, ChunkWork], failure: str | None, group: Any,
                 timeout: float) -> tuple[tuple[float, ...], str | None]:
     """The contention factors of this process's stages (``pipeline.contention``) and the
-    failure so far. With a group every rank takes part, failed or not."""
+    failure so far. With a group every rank takes part, failed or not; under NCCL (a GPU
+    per rank, nothing to share) none is measured."""
+    import torch.distributed as dist
+
     schedule: Schedule = runner.schedule
-    if group is None:
+    if group is None or dist.get_backend(group) == "nccl":  # NCCL: a GPU per rank
         return (1.0,) * schedule.stages, failure
     mine = [] if failure is not None else [work[c] for c in sorted(work)]
     factor, failed = factor_across_ranks(mine, schedule.microbatches, group, timeout,
