@@ -21,8 +21,9 @@ timeline, so the costs and the timeline are iterated to a fixed point
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -133,8 +134,7 @@ def others_computing(timeline: Timeline) -> tuple[float, ...]:
     return tuple(w / b if b > 0 else 0.0 for w, b in zip(weighted, busy))
 
 
-def contended(costs: Costs, schedule: Schedule, factors: Sequence[float],
-              slowed: Callable[[Costs, Schedule, list[float]], Costs]
+def contended(costs: Costs, schedule: Schedule, factors: Sequence[float]
               ) -> tuple[Costs, Timeline]:
     """``costs`` slowed per stage by the contention its simulated step would see, and
     that step's timeline: iterated, since the slowing changes which stages overlap."""
@@ -149,3 +149,14 @@ def contended(costs: Costs, schedule: Schedule, factors: Sequence[float],
         slowed_costs = slowed(costs, schedule, scale)
         timeline = simulate(schedule, costs=slowed_costs)
     return slowed_costs, timeline
+
+
+def slowed(costs: Costs, schedule: Schedule, factors: list[float]) -> Costs:
+    """``costs`` with each chunk's compute times multiplied by its stage's factor."""
+    factor = [factors[schedule.placement[c]] for c in range(schedule.chunks)]
+
+    def scale(values: Any) -> Any:
+        return None if values is None else [v * f for v, f in zip(values, factor)]
+
+    return replace(costs, forward=scale(costs.forward), backward=scale(costs.backward),
+                   input_grad=scale(costs.input_grad), weight_grad=scale(costs.weight_grad))

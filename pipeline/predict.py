@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from schedules import Costs, Schedule, Timeline, simulate
 
 from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, refined
-from pipeline.contention import ChunkWork, contended, factor_across_ranks
+from pipeline.contention import ChunkWork, contended, factor_across_ranks, slowed
 from pipeline.microbatch import batch_size, split, to_device
 from pipeline.payload import map_tensors
 from pipeline.probe import ChunkCosts, probe_chunk
@@ -150,12 +150,7 @@ def predict_step(
     factor, failure = _contention(runner, work, failure, group, timeout)
     overhead = action_overhead(_any_device(runner))
     fixed_local = _fixed_bytes(runner, optimizer, local)
-    steps = (measured,) if isinstance(measured, Timeline) else tuple(measured or ())
-    delay = measured_hop_delay(schedule, *steps) if steps else None
-    busy = None
-    if steps:
-        busy = tuple(statistics.median(step.busy[s] for step in steps)
-                     for s in range(schedule.stages))
+    delay, busy = _from_measured(schedule, measured)
     if group is None:
         chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
         factors = factor
@@ -168,7 +163,7 @@ def predict_step(
         hops = refined(hops, delay, sum(payloads) / max(len(payloads), 1))
     costs = build_costs(schedule, chunks, overheads, fixed, hops, rows,
                         runner.chunks[next(iter(runner.chunks))].options.checkpoint)
-    costs, timeline = contended(costs, schedule, factors, slowed)
+    costs, timeline = contended(costs, schedule, factors)
     if busy is not None:
         costs = slowed(costs, schedule, [b / p if p > 0 else 1.0
                                          for b, p in zip(busy, timeline.busy)])
@@ -176,6 +171,18 @@ def predict_step(
     return Prediction(timeline, costs, tuple(chunks[c] for c in range(schedule.chunks)),
                       tuple(fixed[s] for s in range(schedule.stages)), overheads, hops,
                       tuple(factors))
+
+
+def _from_measured(schedule: Schedule, measured: Timeline | Sequence[Timeline] | None
+                   ) -> tuple[float | None, tuple[float, ...] | None]:
+    """What measured steps refine: the mean hop delay their waiting stages saw, and each
+    stage's median busy time (None, None without any)."""
+    steps = (measured,) if isinstance(measured, Timeline) else tuple(measured or ())
+    if not steps:
+        return None, None
+    busy = tuple(statistics.median(step.busy[s] for step in steps)
+                 for s in range(schedule.stages))
+    return measured_hop_delay(schedule, *steps), busy
 
 
 def build_costs(
@@ -226,17 +233,6 @@ def build_costs(
         input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
         fixed_bytes=fixed_per_chunk,
     )
-
-
-def slowed(costs: Costs, schedule: Schedule, factors: list[float]) -> Costs:
-    """``costs`` with each chunk's compute times multiplied by its stage's factor."""
-    factor = [factors[schedule.placement[c]] for c in range(schedule.chunks)]
-
-    def scale(values: Any) -> Any:
-        return None if values is None else [v * f for v, f in zip(values, factor)]
-
-    return replace(costs, forward=scale(costs.forward), backward=scale(costs.backward),
-                   input_grad=scale(costs.input_grad), weight_grad=scale(costs.weight_grad))
 
 
 # -- measuring this process's chunks ----------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pipeline.contention import contended, others_computing
-from pipeline.predict import slowed
 from schedules import Action, Costs, Event, Op, Timeline, get_schedule, simulate
 from tests.pipeline.dist_harness import run_ranks
 from tests.pipeline.predict_workers import predict_contention
@@ -31,7 +30,7 @@ def test_back_to_back_events_do_not_overlap() -> None:
 def test_no_contention_keeps_the_costs() -> None:
     schedule = get_schedule("1f1b", stages=2, microbatches=8)
     costs = Costs(forward=[1.0, 1.0], backward=[2.0, 2.0])
-    kept, timeline = contended(costs, schedule, [1.0, 1.01], slowed)
+    kept, timeline = contended(costs, schedule, [1.0, 1.01])
     assert kept is costs
     assert timeline.makespan == simulate(schedule, costs=costs).makespan
 
@@ -40,7 +39,7 @@ def test_contention_slows_each_stage_by_its_overlapped_share() -> None:
     schedule = get_schedule("gpipe", stages=2, microbatches=16)
     costs = Costs(forward=[1.0, 1.0], backward=[2.0, 2.0])
     alone = simulate(schedule, costs=costs)
-    slowed_costs, timeline = contended(costs, schedule, [2.0, 2.0], slowed)
+    slowed_costs, timeline = contended(costs, schedule, [2.0, 2.0])
     share = others_computing(timeline)
     for stage in range(2):
         # Fixed point: each stage's compute is 1 + (2 - 1) x its overlapped share longer.
