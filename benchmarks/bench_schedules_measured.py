@@ -53,6 +53,9 @@ class Measured:
     def step(self) -> None:
         self.pipe.zero_grad()
         self.pipe.step(self.x, self.y)
+
+    def after_step(self) -> None:
+        """Outside the timed step: reading the timeline waits for its background gather."""
         self.timelines.append(self.pipe.timeline)
 
 
@@ -63,6 +66,7 @@ def rank_main(rank: int, world: int, microbatches: int, schedules: list[str], wa
     for runner in runners.values():
         for _ in range(warmup):
             _timed(runner.step)
+            runner.after_step()
         runner.timelines.clear()
     samples = _measure(rank, runners, steps, rounds, seconds, load)
     if rank != 0:

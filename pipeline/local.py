@@ -20,7 +20,13 @@ from pipeline.executor import StageResult, StepInputs, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.slicing import build_chunks
-from pipeline.runner import Plans, measured_timeline, propagate_input_grads, step_of
+from pipeline.runner import (
+    Plans,
+    PendingTimeline,
+    measured_timeline,
+    propagate_input_grads,
+    step_of,
+)
 from pipeline.shared import chunk_layers, shared_parameters
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.transports.base import PipelineAborted
@@ -113,7 +119,7 @@ class LocalRunner:
 
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
-    ) -> tuple[torch.Tensor, Timeline]:
+    ) -> tuple[torch.Tensor, PendingTimeline]:
         schedule = self.schedule
         caller = replace(CallerState.capture(), grad_enabled=True)
         for tracker in self.trackers:
@@ -144,7 +150,8 @@ class LocalRunner:
         ]
         if self.trackers[0] is not None:
             self.memory = tuple(t.report() for t in self.trackers if t is not None)
-        return loss, measured_timeline(schedule, events, "measured")  # type: ignore[return-value]
+        timeline = measured_timeline(schedule, events, "measured")
+        return loss, PendingTimeline.ready(timeline)  # type: ignore[return-value]
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any]:
         schedule = self.schedule

@@ -24,7 +24,9 @@ from pipeline.options import (
     chunks_per_stage,
     default_devices,
 )
+from pipeline.runner import PendingTimeline
 from pipeline.stage import ChunkOptions
+from pipeline.transports.base import PeerError
 
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
@@ -155,6 +157,7 @@ class Pipe:
         self._balance = self._resolve_balance(sample)
         self._runner: Any = None
         self._timeline: Timeline | None = None
+        self._pending: PendingTimeline | None = None  # the last step's, until read
         # The last few steps' measured timelines (rank 0 with a group), which refine predict().
         self._recent: collections.deque[Timeline] = collections.deque(maxlen=RECENT_STEPS)
         if self._balance is not None:
@@ -219,6 +222,7 @@ class Pipe:
     def _build_runner(self) -> None:
         assert self._balance is not None
         self._recent.clear()
+        self._pending = None
         if self._group is None:
             from pipeline.local import LocalRunner
 
@@ -287,8 +291,22 @@ class Pipe:
 
     @property
     def timeline(self) -> Timeline | None:
-        """The measured Timeline of the last step (every rank's events on rank 0)."""
+        """The measured Timeline of the last step (every rank's events on rank 0).
+
+        With a group it is gathered in the background after the step; reading it waits
+        for that gather (so does the next step).
+        """
+        self._settle_timeline()
         return self._timeline
+
+    def _settle_timeline(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        timeline = pending.result()
+        self._timeline = timeline
+        if timeline is not None:
+            self._recent.append(timeline)
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:
@@ -349,6 +367,7 @@ class Pipe:
                     f"and {rows[1]}"
                 )
         self._ensure_runner(x)
+        self._settle_timeline()
         assert self._loss_rule is not None
         weights = self._loss_rule.weights(targets) if targets is not None else None
         scale = 1.0
@@ -357,10 +376,7 @@ class Pipe:
             scale = float(scaler.get_scale())
         if weights is not None and scale != 1.0:
             weights = [w * scale for w in weights]
-        loss, timeline = self._runner.run_step(inputs, targets, weights)
-        self._timeline = timeline
-        if timeline is not None:
-            self._recent.append(timeline)
+        loss, self._pending = self._runner.run_step(inputs, targets, weights)
         if scale != 1.0 and self._group is not None:
             share_overflow(self.parameters(), self._group, self.timeout)
         return loss / scale if scale != 1.0 else loss
@@ -401,6 +417,7 @@ class Pipe:
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
         inputs, targets = split_batch(x, target, self.chunks, self._group is None)
         self._ensure_runner(x)
+        self._settle_timeline()
         return predict_step(self._runner, inputs, targets, optimizer=optimizer,
                             group=self._group, timeout=self.timeout,
                             measured=tuple(self._recent) or None).timeline
@@ -479,6 +496,10 @@ class Pipe:
         usable afterwards. ``with Pipe(...) as pipe:`` calls it on leaving the block.
         """
         if self._runner is not None:
+            try:
+                self._settle_timeline()
+            except PeerError:
+                pass  # the runner's close copes with a broken group
             self._runner.close()
             self._runner = None
         self._closed = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -18,6 +18,33 @@ from pipeline.payload import differentiable, flatten
 from pipeline.stage import ChunkRunner
 
 
+class PendingTimeline:
+    """A step's measured Timeline, which may still be on its way (gathered across ranks).
+
+    ``result()`` waits for it once and keeps it; None where the timeline is not kept
+    (ranks other than the first's).
+    """
+
+    __slots__ = ("_resolve", "_value", "_done")
+
+    def __init__(self, resolve: Callable[[], Timeline | None]) -> None:
+        self._resolve = resolve
+        self._value: Timeline | None = None
+        self._done = False
+
+    @classmethod
+    def ready(cls, timeline: Timeline | None) -> PendingTimeline:
+        pending = cls(lambda: timeline)
+        pending.result()
+        return pending
+
+    def result(self) -> Timeline | None:
+        if not self._done:
+            self._value = self._resolve()
+            self._done = True
+        return self._value
+
+
 class Runner(Protocol):
     """Runs a Pipe's steps; ``Pipe`` talks to one of these and never asks which kind."""
 
@@ -25,7 +52,7 @@ class Runner(Protocol):
 
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
-    ) -> tuple[torch.Tensor, Timeline | None]:
+    ) -> tuple[torch.Tensor, PendingTimeline]:
         """One training step; the batch loss (every rank) and the measured timeline."""
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:

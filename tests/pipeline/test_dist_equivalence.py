@@ -15,6 +15,10 @@ def _check(rows_by_rank: list[list[tuple]], world: int) -> None:
             assert loss_error < TOLERANCE, where
             assert grad_error < TOLERANCE, where
             assert compared > 0, f"{where}: no local gradients"
+    # The loss rides the backward messages to every rank: the same float everywhere.
+    for index in range(len(rows_by_rank[0])):
+        errors = {rows[index][3] for rows in rows_by_rank}
+        assert len(errors) == 1, f"{rows_by_rank[0][index][:3]}: losses differ across ranks"
     total = sum(rows_by_rank[rank][0][5] for rank in range(world))
     assert total == 16, "every layer's weight and bias is checked on exactly one rank"
 
