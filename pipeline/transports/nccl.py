@@ -32,6 +32,7 @@ from schedules.dependencies import ActionKey
 
 from pipeline.payload import from_wire, to_wire
 from pipeline.transports.base import Payload, PeerError
+from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
     FAILED,
     HEADER_SLOTS,
@@ -56,26 +57,10 @@ class _Channel:
 
 
 def channel_groups(group: Any, stage_ranks: Sequence[int], channels: Sequence[int]) -> dict[int, _Channel]:
-    """Two communicators per channel over the pipeline's ranks.
-
-    ``new_group`` is collective over the whole world, so with several pipelines
-    (data parallelism) every rank creates every pipeline's communicators, in one
-    order: the pipelines' rank lists are gathered first.
-    """
-    backend = dist.get_backend(group)
-    pipelines = [list(stage_ranks)]
-    if dist.get_world_size() != len(stage_ranks):
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, list(stage_ranks))
-        pipelines = sorted({tuple(ranks) for ranks in gathered})  # type: ignore[arg-type]
-    mine: dict[int, _Channel] = {}
-    for ranks in pipelines:
-        for channel in channels:
-            pair = _Channel(dist.new_group(list(ranks), backend=backend),
-                            dist.new_group(list(ranks), backend=backend))
-            if list(ranks) == list(stage_ranks):
-                mine[channel] = pair
-    return mine
+    """Two communicators per channel over the pipeline's ranks (``groups.pipeline_groups``)."""
+    made = pipeline_groups(group, stage_ranks, 2 * len(channels))
+    return {channel: _Channel(made[2 * index], made[2 * index + 1])
+            for index, channel in enumerate(channels)}
 
 
 class OrderedTransport:
@@ -226,10 +211,5 @@ class OrderedTransport:
         self._in_flight = []
         self._received = {}
         self.pool = BufferPool(self.device)
-        for channel in self.channels.values():
-            for comm in (channel.data, channel.header):
-                try:
-                    dist.destroy_process_group(comm)
-                except (RuntimeError, ValueError):
-                    pass
+        destroy([comm for channel in self.channels.values() for comm in (channel.data, channel.header)])
         self.channels = {}
