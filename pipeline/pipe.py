@@ -492,8 +492,10 @@ class Pipe:
         """Release what this Pipe holds: communicators, buffers, in-flight messages.
 
         With a group, every rank calls it (it waits for all ranks, up to ``timeout``);
-        then ``torch.distributed.destroy_process_group()`` is safe. The Pipe is not
-        usable afterwards. ``with Pipe(...) as pipe:`` calls it on leaving the block.
+        then ``torch.distributed.destroy_process_group()`` is safe. It completes the
+        background gather of the last step's timeline, which ``pipe.timeline`` still
+        returns on rank 0 afterwards. The Pipe is not usable afterwards.
+        ``with Pipe(...) as pipe:`` calls it on leaving the block.
         """
         if self._runner is not None:
             try:

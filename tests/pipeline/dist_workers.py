@@ -408,6 +408,22 @@ def silent_peer(rank: int, world: int, seconds: float) -> Any:
     return outcomes
 
 
+def timeline_after_close(rank: int, world: int) -> Any:
+    """Two steps, then every rank closes and leaves at once; rank 0 reads the last timeline."""
+    from pipeline import Pipe
+
+    x, y = batch()
+    pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),
+                group=dist.group.WORLD)
+    losses = [pipe.step(x if rank == 0 else None, y if rank == world - 1 else None).item()
+              for _ in range(2)]
+    pipe.close()
+    timeline = pipe.timeline
+    if timeline is None:
+        return losses, None
+    return losses, sorted({event.stage for event in timeline.events}), len(timeline.events)
+
+
 def structured_payloads(rank: int, world: int, transport: str) -> Any:
     """Dicts, lists, None, ints, bool and int tensors, complex tensors across ranks; x.grad."""
     from models import structured_model

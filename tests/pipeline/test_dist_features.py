@@ -16,6 +16,7 @@ from dist_workers import (
     autocast_step,
     tied_weights,
     structured_payloads,
+    timeline_after_close,
     silent_peer,
     clipping,
     data_parallel,
@@ -160,6 +161,17 @@ def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout() -> None:
     assert silent[1][0] == "PeerError" and silent[1][1] < 10, silent
     for steps in (silent, waiting):
         assert "cannot be reused" in steps[2][2] and "build a new one" in steps[2][2]
+
+
+def test_the_last_timeline_survives_close_and_the_loss_is_everywhere() -> None:
+    # The timeline is gathered in the background; close() completes it, so rank 0 still
+    # has every stage's events though the other ranks left the moment they closed.
+    first, *others = run_ranks(timeline_after_close, 3)
+    losses, stages, count = first
+    assert stages == [0, 1, 2] and count == 3 * 2 * 4
+    for other_losses, nothing in others:
+        assert nothing is None
+        assert other_losses == losses  # every rank's loss, bit for bit
 
 
 @pytest.mark.parametrize(("transport", "world"), [("gloo", 2), ("ordered", 4)])
