@@ -485,8 +485,9 @@ def _print_breakdown(meters: list[list[dict[str, float]]]) -> None:
     print("  compute: the actions (their events); wait: in transport.take and finish (a peer's "
           "message, unpacking); post: in transport.post and begin_step (sends, the yield after "
           "each, receives posted ahead); "
-          "collective: the end-of-step all-gather of loss and timeline (and building the "
-          "timeline); overhead: the rest of the runner's step (executor, begin_step, step_of, "
+          "collective: the end of the step (reading the loss the backward messages brought, "
+          "posting the timeline's background gather; shared and data-parallel gradients); "
+          "overhead: the rest of the runner's step (executor, begin_step, step_of, "
           "input gradients); total: the runner's step; other: the benchmark's step (mean of the "
           "slowest rank's, from a barrier) minus total (Pipe.step's checks and split, leaving "
           "the barrier)")

@@ -146,7 +146,8 @@ class StepMeter:
     ``compute``: the actions' own time (their events); ``wait``: inside ``transport.take``
     (waiting for a peer, and unpacking) and the transport's ``finish``; ``post``: inside
     ``transport.post`` (sends) and its ``begin_step`` (the first receives posted);
-    ``collective``: the runner's end-of-step collectives; ``total``: the runner's whole
+    ``collective``: the runner's end of the step (the loss, the timeline's gather posted,
+    shared and data-parallel gradients); ``total``: the runner's whole
     step. Seconds, summed over ``steps`` steps; ``reset`` starts again.
     """
 
