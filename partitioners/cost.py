@@ -49,6 +49,7 @@ class LayerCost:
     backward_input: float = 0.0
     backward_weight: float = 0.0
     shared_input_bytes: int = 0
+    tied: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_seconds("LayerCost", {
@@ -59,6 +60,11 @@ class LayerCost:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LayerCost.{field}: expected an int >= 0, got {value!r}")
+        for entry in self.tied:
+            if len(entry) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
+                                      for v in entry):
+                raise ValueError(f"LayerCost.tied: expected (layer, bytes) pairs of ints >= 0, "
+                                 f"got {self.tied!r}")
         if self.shared_input_bytes > self.saved_bytes:
             raise ValueError(f"LayerCost.shared_input_bytes: expected at most saved_bytes "
                              f"({self.saved_bytes}), got {self.shared_input_bytes}")

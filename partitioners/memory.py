@@ -49,11 +49,17 @@ def held_microbatches(
 def stage_memory(
     costs: Sequence[LayerCost], sizes: Sequence[int], held: Sequence[float]
 ) -> list[float]:
-    """Bytes per stage of the cut ``sizes``: ``2 * param_bytes + held * saved_bytes``."""
+    """Bytes per stage of the cut ``sizes``: ``2 * param_bytes + held * saved_bytes``.
+
+    A stage also holds a copy of each earlier stage's parameters its layers use
+    (``LayerCost.tied``: a head tied to the embedding).
+    """
     memory, start = [], 0
     for stage, size in enumerate(sizes):
         layers = costs[start : start + size]
-        fixed = sum(2 * cost.param_bytes for cost in layers)
+        copies = {origin: nbytes for cost in layers for origin, nbytes in cost.tied
+                  if origin < start}
+        fixed = sum(2 * cost.param_bytes for cost in layers) + 2 * sum(copies.values())
         saved = sum(cost.saved_bytes for cost in layers)
         memory.append(fixed + held[stage] * saved)
         start += size

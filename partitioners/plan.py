@@ -328,7 +328,8 @@ class _Search:
         sums = chunk_sums(self.table.at(self.rows(entry.microbatches)), entry.balance,
                           self.overhead)
         costs = candidate_costs(sums, microbatch_scale(self.batch, entry.microbatches),
-                                entry.checkpoint, self.hop, self.optimizer_factor)
+                                entry.checkpoint, self.hop, self.optimizer_factor,
+                                schedule.placement)
         timeline = simulate(schedule, costs=costs)
         peak = timeline.peak_bytes or (0.0,) * self.stages
         fits = self.limit is None or max(peak) <= self.limit

@@ -38,6 +38,8 @@ class ChunkSums:
         saved: bytes its forward keeps per micro-batch.
         params: its parameter bytes.
         inputs: bytes of the activation it receives (0 for the first chunk).
+        ties: ``(chunk, earlier chunk, bytes)``: parameters a chunk uses that an earlier
+            chunk holds (``LayerCost.tied``); a stage without that chunk holds a copy.
     """
 
     forward: tuple[float, ...]
@@ -47,6 +49,7 @@ class ChunkSums:
     saved: tuple[int, ...]
     params: tuple[int, ...]
     inputs: tuple[int, ...]
+    ties: tuple[tuple[int, int, int], ...] = ()
 
 
 def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
@@ -59,6 +62,10 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
     """
     loss = costs.loss if isinstance(costs, Profile) else None
     ends = list(accumulate(sizes, initial=0))
+    chunk_of = [chunk for chunk, size in enumerate(sizes) for _ in range(size)]
+    ties = tuple((chunk_of[layer], chunk_of[origin], nbytes)
+                 for layer, cost in enumerate(costs) for origin, nbytes in cost.tied
+                 if chunk_of[origin] != chunk_of[layer])
     fields: dict[str, list[float]] = {name: [] for name in ("F", "B", "I", "W")}
     saved, params, inputs = [], [], []
     for first, end in zip(ends, ends[1:]):
@@ -79,7 +86,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         saved[-1] += loss.saved_bytes
     return ChunkSums(
         *(tuple(values) for values in fields.values()),  # type: ignore[arg-type]
-        saved=tuple(saved), params=tuple(params), inputs=tuple(inputs),
+        saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
     )
 
 
@@ -106,14 +113,36 @@ def microbatch_scale(batch: int, microbatches: int) -> tuple[float, ...]:
     return tuple(1.0 if m < extra else (largest - 1) / largest for m in range(microbatches))
 
 
+def stage_params(sums: ChunkSums, placement: Sequence[int]) -> tuple[int, ...]:
+    """Per chunk, its parameter bytes plus the copies of tied ones its stage holds.
+
+    A chunk whose layers use parameters of an earlier chunk on another stage is charged a
+    copy of them, once per stage and earlier chunk (``ChunkSums.ties``).
+    """
+    params = list(sums.params)
+    copied = set()
+    for chunk, origin, nbytes in sums.ties:
+        stage = placement[chunk]
+        if placement[origin] != stage and (stage, origin) not in copied:
+            copied.add((stage, origin))
+            params[chunk] += nbytes
+    return tuple(params)
+
+
 def candidate_costs(
     sums: ChunkSums,
     scale: Sequence[float],
     checkpoint: str,
     hop: Hop = 0.0,
     optimizer_factor: float = 0.0,
+    placement: Sequence[int] | None = None,
 ) -> Costs:
-    """The ``schedules.Costs`` of one candidate: its chunk sums, split, recomputation and hop."""
+    """The ``schedules.Costs`` of one candidate: its chunk sums, split, recomputation and hop.
+
+    With ``placement`` (the stage of each chunk), tied parameters are charged to every
+    stage that holds a copy (``stage_params``).
+    """
+    params = sums.params if placement is None else stage_params(sums, placement)
     return Costs(
         forward=sums.forward,
         backward=sums.backward,
@@ -124,7 +153,7 @@ def candidate_costs(
         recompute=checkpoint,  # type: ignore[arg-type]
         activation_bytes=sums.saved,
         input_bytes=sums.inputs,
-        fixed_bytes=tuple((2 + optimizer_factor) * p for p in sums.params),
+        fixed_bytes=tuple((2 + optimizer_factor) * p for p in params),
     )
 
 
@@ -221,6 +250,7 @@ def linear_costs(costs: Sequence[LayerCost], rows: int) -> Callable[[int], list[
                 backward_weight=cost.backward_weight * factor,
                 shared_input_bytes=min(-(-cost.shared_input_bytes * size // rows),
                                        -(-cost.saved_bytes * size // rows)),
+                tied=cost.tied,
             )
             for cost in costs
         ]

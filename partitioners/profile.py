@@ -135,12 +135,12 @@ def _measure_layers(
     """Every layer's cost, in order, the last layer's (detached) output, and which of its
     tensors the last layer saves."""
     costs = []
-    charged: set[int] = set()
+    charged: dict[int, int] = {}
     kept_output: list[bool] = []  # per output tensor of the layer before: did it save it?
     for index, layer in enumerate(layers):
         try:
             cost, inputs, kept_output = _measure(layer, inputs, index > 0, device, warmup,
-                                                 repeat, charged, kept_output)
+                                                 repeat, charged, kept_output, index)
         except Exception as error:  # noqa: BLE001 - re-raised with the layer named
             raise RuntimeError(
                 f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
@@ -231,14 +231,16 @@ def _measure(
     device: torch.device,
     warmup: int,
     repeat: int,
-    charged: set[int],
+    charged: dict[int, int],
     kept_before: list[bool],
+    index: int = 0,
 ) -> tuple[LayerCost, Any, list[bool]]:
     """Time one layer on ``inputs``; return its cost, its (detached) output, and per
     output tensor whether the layer saves it for its backward.
 
-    ``charged`` holds the ids of parameters an earlier layer already counted: a shared
-    parameter (a head tied to the embedding) is charged to its first layer only.
+    ``charged`` maps the ids of parameters an earlier layer already counted to that
+    layer: a shared parameter (a head tied to the embedding) is charged to its first
+    layer only, and the later ones name it in ``tied``.
     ``kept_before`` says which of its input tensors the layer before saved (as outputs).
     """
     counter = SavedBytes(exclude=storage_pointers(layer))
@@ -260,10 +262,12 @@ def _measure(
             for key, value in zip(times, (forward, backward, backward_input, backward_weight)):
                 times[key].append(value)
     median = {key: statistics.median(values) for key, values in times.items()}
+    param_bytes, tied = _charge(layer, index, charged)
     cost = LayerCost(
         forward=median["forward"],
         backward=median["backward"],
-        param_bytes=_charge(layer, charged),
+        param_bytes=param_bytes,
+        tied=tied,
         activation_bytes=activation_bytes,
         saved_bytes=counter.total,
         name=type(layer).__name__,
@@ -274,14 +278,20 @@ def _measure(
     return cost, detached(output), kept_output
 
 
-def _charge(layer: nn.Module, charged: set[int]) -> int:
-    """Bytes of the layer's parameters not in ``charged``, which then holds them all."""
+def _charge(layer: nn.Module, index: int, charged: dict[int, int]
+            ) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """Bytes of the layer's parameters not in ``charged`` (which then names this layer for
+    them), and per earlier layer, the bytes of its parameters this one uses too."""
     total = 0
+    tied: dict[int, int] = {}
     for parameter in layer.parameters():
-        if id(parameter) not in charged:
-            charged.add(id(parameter))
-            total += parameter.numel() * parameter.element_size()
-    return total
+        size = parameter.numel() * parameter.element_size()
+        owner = charged.setdefault(id(parameter), index)
+        if owner == index:
+            total += size
+        else:
+            tied[owner] = tied.get(owner, 0) + size
+    return total, tuple(sorted(tied.items()))
 
 
 def _warm_up(model: nn.Sequential, inputs: Any, device: torch.device) -> None:

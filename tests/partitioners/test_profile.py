@@ -174,6 +174,43 @@ def test_a_shared_parameter_is_charged_to_its_first_layer_only() -> None:
     unique = sum(p.numel() * p.element_size() for p in model.parameters())
     assert sum(cost.param_bytes for cost in costs) == unique
     assert costs[2].activation_bytes == 4 * 3 * 10 * 4
+    assert [cost.tied for cost in costs] == [(), (), ((0, 10 * 8 * 4),)]
+
+
+@pytest.mark.parametrize(("schedule", "copy_on"), [("1f1b", 1), ("zb-v", None)])
+def test_a_stage_holding_a_tied_layer_is_charged_its_own_copy(schedule: str,
+                                                              copy_on: int | None) -> None:
+    # The runtime gives each stage that uses a shared weight a copy: the tied head on
+    # stage 1 holds the embedding's weight too (1F1B), but not when the V puts the head
+    # back on the embedding's stage (ZB-V). What the planner charges each stage must equal
+    # the parameters its layers use, each once.
+    from partitioners.plan_costs import candidate_costs, chunk_sums
+    from partitioners import stage_memory
+    from schedules import get_schedule, simulate
+
+    embedding, middle, head = tied_model()
+    model = nn.Sequential(embedding, middle, nn.ReLU(), head)
+    costs = profile(model, torch.randint(0, 10, (4, 3)), warmup=0, repeat=1)
+    timetable = get_schedule(schedule, 2, 2)
+    cut = [1, 3] if timetable.chunks == 2 else [1, 1, 1, 1]
+    sums = chunk_sums(costs, cut)
+    fixed = candidate_costs(sums, (), "never", placement=timetable.placement).fixed_bytes
+    per_stage = [0.0, 0.0]
+    for chunk, stage in enumerate(timetable.placement):
+        per_stage[stage] += fixed[chunk]
+    layers_of = [[], []]
+    start = 0
+    for chunk, size in enumerate(cut):
+        layers_of[timetable.placement[chunk]] += list(model)[start:start + size]
+        start += size
+    truth = [2 * sum(p.numel() * p.element_size()
+                     for p in {id(p): p for layer in layers for p in layer.parameters()}.values())
+             for layers in layers_of]
+    assert per_stage == truth
+    embedding = 10 * 8 * 4
+    if copy_on is not None:
+        assert per_stage[copy_on] == 2 * ((8 * 8 + 8) * 4 + embedding)
+        assert stage_memory(costs, cut, [0.0, 0.0]) == truth
 
 
 def test_a_device_this_machine_lacks_is_a_value_error() -> None:
