@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedules import Event, Schedule, Timeline
+from schedules import Event, Schedule
 
 from pipeline.calibration import calibrate_local
 from pipeline.context import CallerState

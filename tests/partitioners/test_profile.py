@@ -186,7 +186,7 @@ def test_a_stage_holding_a_tied_layer_is_charged_its_own_copy(schedule: str,
     # the parameters its layers use, each once.
     from partitioners.plan_costs import candidate_costs, chunk_sums
     from partitioners import stage_memory
-    from schedules import get_schedule, simulate
+    from schedules import get_schedule
 
     embedding, middle, head = tied_model()
     model = nn.Sequential(embedding, middle, nn.ReLU(), head)
