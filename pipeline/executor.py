@@ -132,7 +132,8 @@ class LossCarrier:
         """The gradients of a backward message; its loss row merged into what is known."""
         *grads, row = payload
         known = self.known
-        self.known = row if known is None else torch.where(row[0] > known[0], row, known)
+        # A copy, not the row itself: that is a view of a pooled receive buffer.
+        self.known = row.clone() if known is None else torch.where(row[0] > known[0], row, known)
         return tuple(grads)
 
 
