@@ -273,10 +273,12 @@ def test_split_backward_times_the_input_and_weight_gradients_apart() -> None:
     torch.manual_seed(0)
     width = 192
     model = nn.Sequential(nn.Identity(), HeavyInput(width), HeavyWeight(width), nn.ReLU())
-    costs = profile(model, torch.randn(width, width), warmup=1, repeat=3)
+    costs = profile(model, torch.randn(width, width), warmup=1, repeat=5)
     heavy_input, heavy_weight, relu = costs[1], costs[2], costs[3]
-    assert heavy_input.backward_input > 5 * heavy_input.backward_weight, heavy_input
-    assert heavy_weight.backward_weight > 5 * heavy_weight.backward_input, heavy_weight
+    # 12-22x apart when the machine is quiet (CI runs 2 cores); 3x leaves room for a busy one (it failed
+    # at 5x once, with four other processes computing), and a swap of I and W gives < 1.
+    assert heavy_input.backward_input > 3 * heavy_input.backward_weight, heavy_input
+    assert heavy_weight.backward_weight > 3 * heavy_weight.backward_input, heavy_weight
     assert relu.backward_weight == 0.0 and relu.backward_input > 0
     assert costs[0].backward_input == 0.0  # the sample needs no gradient
 
