@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bench_vs_torch import TorchStage
 from examples.gpt import gpt, lm_loss
 from examples.models import uneven_mlp
 from partitioners import Plan, Profile, plan, profile
@@ -131,7 +132,7 @@ class OurPipe:
         self.pipe.close()
 
 
-class TorchPipelining:
+class TorchPipelining(TorchStage):
     """torch.distributed.pipelining: this rank's layers of ``balance`` in a PipelineStage.
 
     A weight two stages share (the GPT's tied embedding and head) becomes two weights, since
@@ -140,22 +141,9 @@ class TorchPipelining:
 
     def __init__(self, workload: Workload, rank: int, balance: Sequence[int],
                  microbatches: int, schedule: str) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
         first = sum(balance[:rank])
-        self.module = copy.deepcopy(workload.build()[first:first + balance[rank]])
-        stage = PipelineStage(self.module, rank, STAGES, torch.device("cpu"))
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = kind(stage, microbatches, loss_fn=workload.loss())
-        self.rank = rank
-        self.x, self.y = workload.batch()
-
-    def step(self) -> None:
-        self.module.zero_grad(set_to_none=True)
-        if self.rank == 0:
-            self.schedule.step(self.x)
-        else:
-            self.schedule.step(target=self.y, losses=[])
+        layers = copy.deepcopy(workload.build()[first:first + balance[rank]])
+        super().__init__(layers, rank, microbatches, schedule, workload.loss(), workload.batch())
 
     def close(self) -> None:
         pass

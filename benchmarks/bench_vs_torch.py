@@ -164,24 +164,21 @@ class OursThreads:
         return _grad_sq(self.pipe.parameters())
 
 
-class Torch:
-    """torch.distributed.pipelining: PipelineStage on this rank's half, ScheduleGPipe/1F1B."""
+class TorchStage:
+    """torch.distributed.pipelining: ``module`` (this rank's layers) in a PipelineStage, run
+    by ScheduleGPipe or Schedule1F1B; rank 0 feeds the batch, the last rank the targets."""
 
-    def __init__(self, rank: int, microbatches: int, schedule: str) -> None:
+    def __init__(self, module: Any, rank: int, microbatches: int, schedule: str,
+                 loss_fn: Any, batch: tuple[Any, Any]) -> None:
         import torch
-        from torch import nn
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        model = make_model()
-        per_stage = len(model) // STAGES
-        self.module = copy.deepcopy(model[rank * per_stage:(rank + 1) * per_stage])
-        del model
-        stage = PipelineStage(self.module, rank, STAGES, torch.device("cpu"))
+        self.module = module
+        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-        self.schedule = kind(stage, microbatches, loss_fn=nn.MSELoss())
-        x, y = make_batch()
+        self.schedule = kind(stage, microbatches, loss_fn=loss_fn)
         self.rank = rank
-        self.x, self.y = x, y
+        self.x, self.y = batch
 
     def step(self) -> None:
         self.module.zero_grad(set_to_none=True)
@@ -192,6 +189,18 @@ class Torch:
 
     def grad_sq(self) -> float:
         return _grad_sq(self.module.parameters())
+
+
+class Torch(TorchStage):
+    """torch.distributed.pipelining on this rank's half of the benchmark's model."""
+
+    def __init__(self, rank: int, microbatches: int, schedule: str) -> None:
+        from torch import nn
+
+        model = make_model()
+        per_stage = len(model) // STAGES
+        half = copy.deepcopy(model[rank * per_stage:(rank + 1) * per_stage])
+        super().__init__(half, rank, microbatches, schedule, nn.MSELoss(), make_batch())
 
 
 # -- one rank's work -------------------------------------------------------------------------

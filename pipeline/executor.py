@@ -263,12 +263,17 @@ def _fetcher(key: ActionKey, kept_here: bool) -> Callable[[_StageRun], Payload]:
 
 
 def _deliverer(plan: StagePlan, action: Action) -> Callable[[_StageRun, Payload], None]:
+    """Where an action's result goes: to a peer (a backward's with the loss row, when the
+    step carries the loss), to a later chunk of this stage, or both."""
     key = _key(action)
     sent, kept = key in plan.sent, key in plan.kept
+    backward = action.op is not Op.F
 
     def deliver(run: _StageRun, produced: Payload) -> None:
         if sent:
-            run.outgoing[key] = produced
+            carrier = run.carrier
+            run.outgoing[key] = produced if carrier is None or not backward \
+                else carrier.attach(produced)
         if kept:
             run.kept[key] = produced
 
@@ -333,15 +338,7 @@ def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey
         from_peer = later not in kept
         source = _fetcher(later, not from_peer)
     split = action.op is not Op.B
-    key = _key(action)
-    sent, kept_here = key in plan.sent, key in plan.kept
-
-    def deliver(run: _StageRun, produced: Payload) -> None:
-        if sent:
-            carrier = run.carrier
-            run.outgoing[key] = produced if carrier is None else carrier.attach(produced)
-        if kept_here:
-            run.kept[key] = produced
+    deliver = _deliverer(plan, action)
 
     def backward(run: _StageRun) -> None:
         chunk = run.chunks[index]
