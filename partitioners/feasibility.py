@@ -54,6 +54,11 @@ class MemoryCap:
             activations are recomputed (its input, or a bound of it); non-increasing, so
             that a stage starting later never needs more; empty: none.
         held_inputs: per stage, how many micro-batches' inputs it holds beside them.
+        copies: per earlier layer whose parameters later layers use (a head tied to the
+            embedding), ``(that layer, the layers using them in order, the bytes each
+            uses)``: a stage holding some of those layers but not the first holds a copy
+            of the most any of them uses. A stage that starts later still never needs
+            more: the copy it may gain is part of the first layer's parameters it loses.
     """
 
     fixed: tuple[int, ...]
@@ -62,6 +67,16 @@ class MemoryCap:
     limit: int
     inputs: tuple[int, ...] = ()
     held_inputs: tuple[int, ...] = ()
+    copies: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def copied(self, start: int, end: int) -> int:
+        """Bytes of the copies of earlier layers' parameters that layers ``start..end-1`` hold."""
+        total = 0
+        for origin, users, used in self.copies:
+            if origin < start:
+                first, last = bisect_left(users, start), bisect_left(users, end)
+                total += max(used[first:last], default=0)
+        return total
 
     def _kept_inputs(self, start: int, stage: int) -> int:
         return self.held_inputs[stage] * self.inputs[start] if self.held_inputs else 0
@@ -70,10 +85,13 @@ class MemoryCap:
         """Memory of a stage ``stage`` holding layers ``start..end-1``."""
         saved = self.saved[end] - self.saved[start]
         return (self.fixed[end] - self.fixed[start] + self.held[stage] * saved
-                + self._kept_inputs(start, stage))
+                + self._kept_inputs(start, stage) + self.copied(start, end))
 
     def reach(self, start: int, stage: int, end_at_most: int) -> int:
         """The furthest end, up to ``end_at_most``, of a stage from ``start`` under the cap."""
+        if self.copies:
+            return bisect_right(range(end_at_most + 1), self.limit, lo=start,
+                                key=lambda end: self.stage(start, end, stage)) - 1
         fixed, saved, held = self.fixed, self.saved, self.held[stage]
         threshold = (self.limit + fixed[start] + held * saved[start]
                      - self._kept_inputs(start, stage))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from itertools import accumulate
 
@@ -57,8 +57,11 @@ def stage_memory(
     memory, start = [], 0
     for stage, size in enumerate(sizes):
         layers = costs[start : start + size]
-        copies = {origin: nbytes for cost in layers for origin, nbytes in cost.tied
-                  if origin < start}
+        copies: dict[int, int] = {}
+        for cost in layers:
+            for origin, nbytes in cost.tied:
+                if origin < start:
+                    copies[origin] = max(copies.get(origin, 0), nbytes)
         fixed = sum(2 * cost.param_bytes for cost in layers) + 2 * sum(copies.values())
         saved = sum(cost.saved_bytes for cost in layers)
         memory.append(fixed + held[stage] * saved)
@@ -81,5 +84,19 @@ def memory_cap(
         saved=tuple(accumulate((cost.saved_bytes for cost in costs), initial=0)),
         held=tuple(int(ratio * scale) for ratio in ratios),
         limit=math.floor(Fraction(limit) * scale),
+        copies=tied_copies(costs, lambda nbytes: 2 * scale * nbytes),
     )
     return cap, scale
+
+
+def tied_copies(
+    costs: Sequence[LayerCost], charge: Callable[[int], int]
+) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+    """``MemoryCap.copies`` of ``costs``: per layer whose parameters later layers use, those
+    layers and ``charge(bytes)`` of what each uses."""
+    users: dict[int, list[tuple[int, int]]] = {}
+    for layer, cost in enumerate(costs):
+        for origin, nbytes in cost.tied:
+            users.setdefault(origin, []).append((layer, charge(nbytes)))
+    return tuple((origin, tuple(layer for layer, _ in users[origin]),
+                  tuple(used for _, used in users[origin])) for origin in sorted(users))

@@ -120,12 +120,14 @@ def stage_params(sums: ChunkSums, placement: Sequence[int]) -> tuple[int, ...]:
     copy of them, once per stage and earlier chunk (``ChunkSums.ties``).
     """
     params = list(sums.params)
-    copied = set()
+    copies: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, origin): (chunk, bytes)
     for chunk, origin, nbytes in sums.ties:
         stage = placement[chunk]
-        if placement[origin] != stage and (stage, origin) not in copied:
-            copied.add((stage, origin))
-            params[chunk] += nbytes
+        if placement[origin] != stage:
+            charged, most = copies.get((stage, origin), (chunk, 0))
+            copies[(stage, origin)] = (charged, max(most, nbytes))
+    for chunk, nbytes in copies.values():
+        params[chunk] += nbytes
     return tuple(params)
 
 

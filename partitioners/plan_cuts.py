@@ -9,9 +9,10 @@ holds at once, ``sum over its layers of max(saved bytes, the layer's input
 bytes)``. Without recomputation that is every micro-batch it holds; with
 ``checkpoint="always"`` a held micro-batch keeps only the stage's input, and one
 at a time is recomputed in full; with ``"except_last"`` the last micro-batch is
-also kept in full. A stage's input is charged as the largest input from its
-first layer on (a bound that only shrinks as the stage starts later, which the
-exact search needs). Any cut meeting that model fits the simulated peak too, so
+also kept in full. A stage holding a layer tied to an earlier stage's (a head
+tied to the embedding) is charged its own copy of those parameters. A stage's
+input is charged as the largest input from its first layer on (a bound that only
+shrinks as the stage starts later, which the exact search needs). Any cut meeting that model fits the simulated peak too, so
 a cut found here never fails the simulator's check. When no cut meets it, the cut
 of least linear memory is returned, so that the planner can name the smallest
 limit.
@@ -28,6 +29,7 @@ from itertools import accumulate
 from partitioners.balance import balance
 from partitioners.cost import LayerCost, Profile
 from partitioners.feasibility import MemoryCap, Problem, cut_from, reachable
+from partitioners.memory import tied_copies
 from partitioners.minmax import NoCutFits, slowest_stage_bound, smallest_memory_cap
 
 
@@ -82,6 +84,7 @@ def memory_capped_cut(
         inputs=_largest_from(inputs) if any(kept) else (),
         held_inputs=tuple(math.ceil(ratio * scale) for ratio in ratios[len(held):])
         if any(kept) else (),
+        copies=tied_copies(costs, lambda nbytes: scale * math.ceil((2 + optimizer_factor) * nbytes)),
     )
     problem = Problem(_time_prefix(costs), len(held), memory=cap)
     try:
@@ -126,11 +129,13 @@ def cut_memory(
     full, kept = _full_and_inputs(held, checkpoint)
     inputs = [0] + [cost.activation_bytes for cost in costs[:-1]]
     largest = _largest_from(inputs)
+    copies = MemoryCap((), (), (), 0, copies=tied_copies(
+        costs, lambda nbytes: math.ceil((2 + optimizer_factor) * nbytes)))
     ends = list(accumulate(sizes, initial=0))
     return [
         sum(math.ceil((2 + optimizer_factor) * costs[i].param_bytes) for i in range(a, b))
         + full[s] * sum(max(costs[i].saved_bytes, inputs[i]) for i in range(a, b))
-        + kept[s] * largest[a]
+        + kept[s] * largest[a] + copies.copied(a, b)
         for s, (a, b) in enumerate(zip(ends, ends[1:]))
     ]
 

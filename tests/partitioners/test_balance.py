@@ -121,13 +121,29 @@ def memory_fits(costs: list[LayerCost], held: tuple[float, ...], limit: float): 
     return allowed
 
 
-def test_memory_limit_matches_brute_force() -> None:
+def with_random_ties(rng: random.Random, costs: list[LayerCost]) -> list[LayerCost]:
+    """Some later layers use part of an earlier layer's parameters (a head tied to the
+    embedding), as ``profile`` reports them."""
+    tied = []
+    for layer, cost in enumerate(costs):
+        origins = [o for o in range(layer) if costs[o].param_bytes and rng.random() < 0.3]
+        ties = tuple((o, rng.randint(1, costs[o].param_bytes)) for o in origins)
+        tied.append(LayerCost(cost.forward, cost.backward, param_bytes=cost.param_bytes,
+                              activation_bytes=cost.activation_bytes,
+                              saved_bytes=cost.saved_bytes, tied=ties))
+    return tied
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_memory_limit_matches_brute_force(ties: bool) -> None:
     rng = random.Random(7)
     checked = infeasible = 0
     for _ in range(300):
         layers = rng.randint(1, 10)
         stages = rng.randint(1, min(5, layers))
         costs = random_costs(rng, layers)
+        if ties:
+            costs = with_random_ties(rng, costs)
         schedule = rng.choice(["1f1b", "gpipe"])
         microbatches = rng.randint(1, 6)
         limit = rng.randint(30, 400)

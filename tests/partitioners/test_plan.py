@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import combinations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -252,3 +254,30 @@ def test_the_memory_cut_counts_what_recomputation_drops() -> None:
     chosen = plan(linear_costs(layers, rows=1), stages=2, batch=4, memory_limit=limit,
                   schedules=["1f1b"], microbatch_counts=[4], checkpoints=["always"])
     assert max(chosen.peak_memory) <= limit
+
+
+def test_the_memory_capped_cut_charges_tied_copies_and_is_the_fastest_that_fits() -> None:
+    # A head tied to the embedding: a stage holding layer 5 but not layer 0 holds its own
+    # copy of 60 bytes (120 with its gradient). Without it, [2, 2, 2], the fastest cut,
+    # would seem to fit.
+    layers = [LayerCost(forward=f, backward=2 * f, param_bytes=p, activation_bytes=4,
+                        saved_bytes=s, tied=((0, 60),) if i == 5 else ())
+              for i, (f, p, s) in enumerate([(2, 60, 8), (3, 5, 10), (2, 9, 6), (4, 1, 9),
+                                             (1, 2, 5), (2, 60, 3)])]
+    untied = [replace(cost, tied=()) for cost in layers]
+    for name, limit in [("1f1b", 250.0), ("gpipe", 260.0), ("zb-h1", 255.0)]:
+        held = schedule_info(name).memory(3, 4)
+        assert (cut_memory(layers, (2, 2, 2), held)[2]
+                == cut_memory(untied, (2, 2, 2), held)[2] + 120 > limit)
+        slowest = {}
+        for first, second in combinations(range(1, 6), 2):
+            cut = (first, second - first, 6 - second)
+            if max(cut_memory(layers, cut, held)) <= limit:
+                ends = (0, first, second, 6)
+                slowest[cut] = max(sum(layer.time for layer in layers[a:b])
+                                   for a, b in zip(ends, ends[1:]))
+        chosen = memory_capped_cut(layers, held, limit)
+        assert chosen in slowest and slowest[chosen] == min(slowest.values()), name
+        timeline = simulate(get_schedule(name, 3, 4), costs=candidate_costs(
+            chunk_sums(layers, chosen), (), "never", placement=(0, 1, 2)))
+        assert all(p <= q for p, q in zip(timeline.peak_bytes, cut_memory(layers, chosen, held)))
