@@ -42,7 +42,10 @@ the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 1F1B holds P. With F = I = W the bubbles are 0.29-0.55x (V-Half) and 0.31-0.69x
 (V-Min) of 1F1B's for 4 <= P <= 16, M in {2P, 4P}; the issue's bars (0.5x, 0.7x)
 hold there except for V-Half at M = 2P with even P >= 10 (and P = 15), up to 0.55x
-(see the tests).
+(see the tests). There the last stage meets its bound in the warm-up (it starts at
+P-1 and the cap leaves it P-2 units with nothing to run before its first input
+gradient); the units lost are in the drain, where the last micro-batches reach stage 0
+at the steady rhythm of six units while each needs only five there.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ def test_bubble_bars_of_issue_13_where_reached(name):
             assert ratio <= short + 5e-4, (stages, microbatches, ratio)
 
 
-@pytest.mark.xfail(strict=True, reason="V-Half at M = 2P for even P >= 10 (and P = 15): "
-                   "the cap of P/2 + 1 micro-batches squeezes the warm-up more than the bar allows")
+@pytest.mark.xfail(strict=True, reason="V-Half at M = 2P for even P >= 10 (and P = 15): the "
+                   "last micro-batches drain at the steady rhythm (README, known limits)")
 @pytest.mark.parametrize("name", ["v-half"])
 def test_bubble_bars_of_issue_13_everywhere(name):
     for stages, microbatches in SHORT_OF_THE_BAR[name]:
