@@ -93,7 +93,8 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
     import torch.distributed as dist
 
     from pipeline import Pipe
-    from pipeline.predict import predict_step, split_batch
+    from pipeline.microbatch import split_batch
+    from pipeline.predict import predict_step
 
     results = []
     for model_name, schedule, microbatches in cells:

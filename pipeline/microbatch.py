@@ -64,6 +64,30 @@ def split(batch: Any, chunks: int) -> list[Any]:
     return [pytree.tree_unflatten([column[i] for column in columns], spec) for i in range(chunks)]
 
 
+def split_batch(x: Any, target: Any, chunks: int, in_process: bool,
+                caller: str = "step") -> tuple[list[Any] | None, list[Any] | None]:
+    """``x`` and ``target`` cut into ``chunks`` micro-batches, as a step runs them.
+
+    Across processes a rank may hold only one of them (None for the other).
+
+    Raises:
+        ValueError: in one process, x or target missing; micro-batch sizes that differ
+            between them.
+    """
+    if in_process and (x is None or target is None):
+        missing = "x" if x is None else "target"
+        raise ValueError(f"{caller}() needs x and target in one process (only ranks of a "
+                         f"group may leave one out), got {missing}=None")
+    inputs = split(x, chunks) if x is not None else None
+    targets = split(target, chunks) if target is not None else None
+    if inputs is not None and targets is not None:
+        rows = [batch_size(p) for p in inputs], [batch_size(p) for p in targets]
+        if rows[0] != rows[1]:
+            raise ValueError(f"x and target must split into the same micro-batch sizes, got "
+                             f"{rows[0]} and {rows[1]}")
+    return inputs, targets
+
+
 def merge(outputs: Sequence[Any]) -> Any:
     """Concatenate micro-batch outputs along dim 0, leaf by leaf (other leaves: the first's)."""
     flat = [pytree.tree_flatten(out) for out in outputs]

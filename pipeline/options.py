@@ -91,3 +91,67 @@ def default_devices(stages: int) -> list[torch.device]:
         count = torch.cuda.device_count()
         return [torch.device("cuda", stage % count) for stage in range(stages)]
     return [torch.device("cpu")] * stages
+
+
+def count_stages(
+    schedule: str | Schedule,
+    devices: Sequence[Any] | None,
+    balance: Any,
+    stages: int | None,
+    per_stage: int,
+    group: Any,
+) -> tuple[int, str]:
+    """The stage count every argument that implies one agrees on, and where it came from.
+
+    Raises:
+        ValueError: the arguments disagree, or nothing tells the count (and no GPU does).
+    """
+    candidates: dict[str, int] = {}
+    if isinstance(schedule, Schedule):
+        candidates["schedule.stages"] = schedule.stages
+    if group is not None:
+        import torch.distributed as dist
+
+        candidates["the group's size"] = dist.get_world_size(group)
+    if devices is not None:
+        candidates["len(devices)"] = len(devices)
+    if stages is not None:
+        candidates["stages"] = check_positive("stages", stages)
+    if isinstance(balance, (list, tuple)) and not candidates:
+        if len(balance) % per_stage:
+            raise ValueError(
+                f"balance has {len(balance)} entries, not a multiple of the "
+                f"{per_stage} chunks per stage this schedule uses"
+            )
+        candidates["len(balance)"] = len(balance) // per_stage
+    if not candidates:
+        if torch.cuda.is_available():
+            return torch.cuda.device_count(), "one stage per CUDA device"
+        raise ValueError(
+            "cannot tell how many stages to use: pass balance=[...], devices=[...], "
+            "stages=N or a Schedule"
+        )
+    values = set(candidates.values())
+    if len(values) > 1:
+        said = ", ".join(f"{k}={v}" for k, v in candidates.items())
+        raise ValueError(f"the stage count must agree everywhere, got {said}")
+    source, count = next(iter(candidates.items()))
+    return count, f"{count} stages from {source} x {per_stage} chunks per stage"
+
+
+def resolve_devices(devices: Sequence[Any] | None, stages: int, group: Any) -> list[torch.device]:
+    """One device per stage in one process; with a group, this rank's device alone.
+
+    Raises:
+        ValueError: devices given with a group (each rank picks its own).
+    """
+    if group is not None:
+        if devices is not None:
+            raise ValueError("with group=..., each rank picks its own device; pass devices=None")
+        from pipeline.distributed import rank_device
+
+        return [rank_device(group)]
+    if devices is None:
+        return default_devices(stages)
+    return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+            for d in devices]

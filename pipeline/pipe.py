@@ -16,13 +16,14 @@ from pipeline.checkpoint import CheckpointMode, check_mode
 from pipeline.coordination import choose_plan, on_rank_zero, share_overflow
 from pipeline.loss import loss_rule
 from pipeline.memory import MemoryReport
-from pipeline.microbatch import batch_size, merge, split
+from pipeline.microbatch import merge, split, split_batch
 from pipeline.options import (
     build_schedule,
     check_model,
     check_positive,
     chunks_per_stage,
-    default_devices,
+    count_stages,
+    resolve_devices,
 )
 from pipeline.runner import PendingTimeline
 from pipeline.stage import ChunkOptions
@@ -108,20 +109,10 @@ class Pipe:
         memory_limit: float | None = None,
         sample_target: Any = None,
     ) -> None:
-        if group is not None:
-            # First, before anything that could raise on some ranks and not others.
-            from pipeline.distributed import check_agreement, schedule_digest
-
-            check_agreement(
-                group,
-                timeout,
-                chunks=chunks,
-                schedule=schedule_digest(schedule) if isinstance(schedule, Schedule) else schedule,
-                balance=balance,
-                checkpoint=checkpoint,
-                stages=stages,
-                schedule_options=schedule_options,
-            )
+        if group is not None:  # first, before anything that could raise on some ranks only
+            _check_ranks_agree(group, timeout, chunks=chunks, schedule=schedule, balance=balance,
+                               checkpoint=checkpoint, stages=stages,
+                               schedule_options=schedule_options)
         self.model = check_model(model)
         self.timeout = timeout
         self._closed = False
@@ -132,8 +123,9 @@ class Pipe:
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
         per_stage = 1 if planning else chunks_per_stage(schedule, options)  # type: ignore[arg-type]
-        stage_count = self._stage_count(schedule, devices, balance, stages, per_stage)
-        self._devices = self._resolve_devices(devices, stage_count)
+        stage_count, self._stage_source = count_stages(schedule, devices, balance, stages,
+                                                       per_stage, group)
+        self._devices = resolve_devices(devices, stage_count, group)
         self._plan: Any = None
         if planning:
             self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
@@ -164,60 +156,6 @@ class Pipe:
             self._build_runner()
 
     # -- construction ---------------------------------------------------------------------
-
-    def _stage_count(
-        self,
-        schedule: str | Schedule,
-        devices: Sequence[Any] | None,
-        balance: Any,
-        stages: int | None,
-        per_stage: int,
-    ) -> int:
-        candidates: dict[str, int] = {}
-        if isinstance(schedule, Schedule):
-            candidates["schedule.stages"] = schedule.stages
-        if self._group is not None:
-            import torch.distributed as dist
-
-            candidates["the group's size"] = dist.get_world_size(self._group)
-        if devices is not None:
-            candidates["len(devices)"] = len(devices)
-        if stages is not None:
-            candidates["stages"] = check_positive("stages", stages)
-        if isinstance(balance, (list, tuple)) and not candidates:
-            if len(balance) % per_stage:
-                raise ValueError(
-                    f"balance has {len(balance)} entries, not a multiple of the "
-                    f"{per_stage} chunks per stage this schedule uses"
-                )
-            candidates["len(balance)"] = len(balance) // per_stage
-        if not candidates:
-            if torch.cuda.is_available():
-                self._stage_source = "one stage per CUDA device"
-                return torch.cuda.device_count()
-            raise ValueError(
-                "cannot tell how many stages to use: pass balance=[...], devices=[...], "
-                "stages=N or a Schedule"
-            )
-        values = set(candidates.values())
-        if len(values) > 1:
-            said = ", ".join(f"{k}={v}" for k, v in candidates.items())
-            raise ValueError(f"the stage count must agree everywhere, got {said}")
-        source, count = next(iter(candidates.items()))
-        self._stage_source = f"{count} stages from {source} x {per_stage} chunks per stage"
-        return values.pop()
-
-    def _resolve_devices(self, devices: Sequence[Any] | None, stages: int) -> list[torch.device]:
-        if self._group is not None:
-            if devices is not None:
-                raise ValueError("with group=..., each rank picks its own device; pass devices=None")
-            from pipeline.distributed import rank_device
-
-            return [rank_device(self._group)]
-        if devices is None:
-            return default_devices(stages)
-        return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-                for d in devices]
 
     def _build_runner(self) -> None:
         assert self._balance is not None
@@ -348,24 +286,7 @@ class Pipe:
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
-        if self._group is None and (x is None) != (target is None):
-            missing = "x" if x is None else "target"
-            raise ValueError(
-                f"step() needs x and target in one process (only ranks of a group may leave "
-                f"one out), got {missing}=None"
-            )
-        inputs = split(x, self.chunks) if x is not None else None
-        targets = split(target, self.chunks) if target is not None else None
-        known = inputs if inputs is not None else targets
-        if known is None and self._group is None:
-            raise ValueError("step() needs x and target")
-        if inputs is not None and targets is not None:
-            rows = [batch_size(p) for p in inputs], [batch_size(p) for p in targets]
-            if rows[0] != rows[1]:
-                raise ValueError(
-                    f"x and target must split into the same micro-batch sizes, got {rows[0]} "
-                    f"and {rows[1]}"
-                )
+        inputs, targets = split_batch(x, target, self.chunks, self._group is None)
         self._ensure_runner(x)
         self._settle_timeline()
         assert self._loss_rule is not None
@@ -411,11 +332,11 @@ class Pipe:
             ValueError: no loss_fn, or a batch ``step`` would reject.
             PeerError: a rank failed or did not answer within the timeout.
         """
-        from pipeline.predict import predict_step, split_batch
+        from pipeline.predict import predict_step
 
         if self.loss_fn is None:
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
-        inputs, targets = split_batch(x, target, self.chunks, self._group is None)
+        inputs, targets = split_batch(x, target, self.chunks, self._group is None, "predict")
         self._ensure_runner(x)
         self._settle_timeline()
         return predict_step(self._runner, inputs, targets, optimizer=optimizer,
@@ -511,3 +432,13 @@ class Pipe:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:
+    """Raise on every rank unless every rank passed the same ``arguments``."""
+    from pipeline.distributed import check_agreement, schedule_digest
+
+    schedule = arguments["schedule"]
+    if isinstance(schedule, Schedule):
+        arguments["schedule"] = schedule_digest(schedule)
+    check_agreement(group, timeout, **arguments)

@@ -29,7 +29,7 @@ from schedules import Costs, Schedule, Timeline, simulate
 
 from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, refined
 from pipeline.contention import ChunkWork, contended, factor_across_ranks, slowed
-from pipeline.microbatch import batch_size, split, to_device
+from pipeline.microbatch import batch_size, to_device
 from pipeline.payload import map_tensors
 from pipeline.probe import ChunkCosts, probe_chunk
 from pipeline.stage import ChunkRunner
@@ -86,26 +86,6 @@ class Prediction:
         comparable with ``MemoryReport.peak_bytes`` of ``Pipe.memory``."""
         peaks = self.timeline.peak_bytes or (0.0,) * len(self.fixed)
         return tuple(peak - fixed.total for peak, fixed in zip(peaks, self.fixed))
-
-
-def split_batch(x: Any, target: Any, chunks: int, in_process: bool) -> tuple[Any, Any]:
-    """``x`` and ``target`` cut into micro-batches as ``Pipe.step`` cuts them.
-
-    Raises:
-        ValueError: in one process, x or target missing; micro-batch sizes that differ.
-    """
-    if in_process and (x is None or target is None):
-        missing = "x" if x is None else "target"
-        raise ValueError(f"predict() needs x and target in one process (only ranks of a group "
-                         f"may leave one out), got {missing}=None")
-    inputs = split(x, chunks) if x is not None else None
-    targets = split(target, chunks) if target is not None else None
-    if inputs is not None and targets is not None:
-        rows = [batch_size(p) for p in inputs], [batch_size(p) for p in targets]
-        if rows[0] != rows[1]:
-            raise ValueError(f"x and target must split into the same micro-batch sizes, got "
-                             f"{rows[0]} and {rows[1]}")
-    return inputs, targets
 
 
 def predict_step(

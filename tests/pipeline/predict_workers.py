@@ -102,7 +102,8 @@ def predict_missing_target(rank: int, world: int) -> str:
 def predict_contention(rank: int, world: int) -> dict[str, Any]:
     """predict_step's contention factors, and the rank's own loop timed alone and at once."""
     from pipeline import Pipe
-    from pipeline.predict import predict_step, split_batch
+    from pipeline.microbatch import split_batch
+    from pipeline.predict import predict_step
 
     torch.set_num_threads(1)
     pipe = Pipe(bn_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.CrossEntropyLoss(),

@@ -11,7 +11,8 @@ from torch import nn
 
 from pipeline import Pipe
 from pipeline.calibration import HopModel, action_overhead, calibrate_local, fit_link, hop_pairs
-from pipeline.predict import optimizer_state_bytes, predict_step, split_batch
+from pipeline.microbatch import split_batch
+from pipeline.predict import optimizer_state_bytes, predict_step
 from schedules import Link, get_schedule
 
 from tests.pipeline.dist_harness import run_ranks
