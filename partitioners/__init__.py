@@ -3,7 +3,8 @@
 from partitioners.balance import balance, uniform
 from partitioners.cost import LayerCost, LossCost, Profile
 from partitioners.memory import held_microbatches, stage_memory
-from partitioners.plan import Candidate, Plan, plan, plan_for_model
+from partitioners.plan import Candidate, Plan, plan
+from partitioners.plan_model import plan_for_model
 from partitioners.profile import profile
 
 __all__ = [

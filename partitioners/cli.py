@@ -92,38 +92,28 @@ def _run(args: argparse.Namespace) -> int:
     if "auto" in (args.chunks, args.schedule):
         return _run_plan(args, shapes, memory_limit, bandwidth)
 
-    import torch  # after the cheap checks: importing torch takes a while
-
     from partitioners.memory import held_microbatches
     from partitioners.profile import profile
-    from partitioners.report import (
-        calibrated_link,
-        comparison_table,
-        report,
-        stage_table,
-        to_data,
-    )
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)  # imports torch: after the cheap checks, as it takes a while
     model = build_model(args.factory)
     _usage(check_stages, len(model), args.stages)
     held = _usage(held_microbatches, args.schedule, args.stages, args.chunks)
     sample = make_sample(shapes, args.dtype)
-    try:
-        device = torch.device(args.device)
-    except (RuntimeError, TypeError):
-        raise UsageError(
-            f"--device {args.device!r}: expected a device such as cpu, cuda or cuda:1"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available here")
+    device = _device(args.device)
     costs = _usage(profile, model, sample, device=device, warmup=args.warmup, repeat=args.repeat,
                    progress=False if args.no_progress else None)
     sizes = _usage(balance, costs, args.stages, by=args.by, memory_limit=memory_limit,
                    schedule=args.schedule, microbatches=args.chunks, bandwidth=bandwidth)
+    _report_cut(args, costs, sizes, held, device, memory_limit, bandwidth)
+    return 0
+
+
+def _report_cut(args: argparse.Namespace, costs: Any, sizes: list[int], held: Any, device: Any,
+                memory_limit: float | None, bandwidth: float | None) -> None:
+    """Print the cut against the uniform one, with the predicted step; write JSON and plot."""
+    from partitioners.report import calibrated_link, comparison_table, report, stage_table, to_data
+
     link = calibrated_link(device)  # a hop measured here, in-process: a local copy
     chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth, link=link)
     even_sizes = uniform(len(costs), args.stages)
@@ -144,7 +134,29 @@ def _run(args: argparse.Namespace) -> int:
         _write(args.json, lambda handle: json.dump(data, handle, indent=2))
     if args.plot:
         _plot(chosen, even, label, args.plot)
-    return 0
+
+
+def _set_threads(threads: int | None) -> None:
+    """``--threads``: torch's intra-op threads (imports torch)."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def _device(text: str) -> Any:
+    """``--device`` as a torch.device that this machine has."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"--device {text!r}: expected a device such as cpu, cuda or cuda:1") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {text}: CUDA is not available here")
+    return device
 
 
 def _chunks(text: str) -> int | str:
@@ -160,9 +172,7 @@ def _chunks(text: str) -> int | str:
 def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
               bandwidth: float | None) -> int:
     """``--schedule auto`` / ``--chunks auto``: search, print the best candidates, write JSON."""
-    import torch
-
-    from partitioners.plan import plan_for_model
+    from partitioners.plan_model import plan_for_model
     from partitioners.plan_report import candidates_table, plan_data
     from partitioners.report import calibrated_link
     from schedules import Link
@@ -172,10 +182,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
     if args.plot:
         raise UsageError("--plot draws one cut; with --schedule auto or --chunks auto, "
                          "use --json and draw the candidates from it")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     model = build_model(args.factory)
     sample = make_sample(shapes, args.dtype)
     # The hop: --bandwidth as given, else a local copy measured here (what threads pay).
