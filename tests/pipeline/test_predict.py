@@ -12,7 +12,8 @@ from torch import nn
 from pipeline import Pipe
 from pipeline.calibration import HopModel, action_overhead, calibrate_local, fit_link, hop_pairs
 from pipeline.microbatch import split_batch
-from pipeline.predict import optimizer_state_bytes, predict_step
+from pipeline.fixed_bytes import optimizer_state_bytes
+from pipeline.predict import predict_step
 from schedules import Link, get_schedule
 
 from tests.pipeline.dist_harness import run_ranks
@@ -222,7 +223,8 @@ def test_after_several_steps_each_stage_computes_its_median_measured_busy_time()
 
 def test_a_send_costs_the_sending_action_not_the_hop() -> None:
     from pipeline.calibration import HopModel, refined
-    from pipeline.predict import FixedBytes, build_costs
+    from pipeline.fixed_bytes import FixedBytes
+    from pipeline.predict import build_costs
     from pipeline.probe import ChunkCosts
 
     schedule = get_schedule("1f1b", 2, 4)
