@@ -1,7 +1,7 @@
 """Run pipeline schedules on real tensors: threads in one process, or one stage per rank."""
 
 from pipeline.transports.base import PeerError
-from pipeline.distributed import make_groups
+from pipeline.process_groups import make_groups
 from pipeline.memory import MemoryReport
 from pipeline.pipe import Pipe
 from pipeline.stage import StageError

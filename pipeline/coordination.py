@@ -24,7 +24,7 @@ def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str)
     """
     if group is None:
         return work()
-    from pipeline.distributed import rank_device
+    from pipeline.process_groups import rank_device
 
     decided: tuple[Any, str | None] = (None, None)
     error: BaseException | None = None
@@ -104,7 +104,7 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: Any,
 def share_overflow(parameters: Iterable[torch.nn.Parameter], group: Any, timeout: float) -> None:
     """An inf or NaN gradient on one rank becomes one on every rank, so that a GradScaler
     skips the same step everywhere."""
-    from pipeline.distributed import rank_device
+    from pipeline.process_groups import rank_device
 
     grads = [p.grad for p in parameters if p.grad is not None]
     found = any(not bool(torch.isfinite(g).all()) for g in grads)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +14,11 @@ from torch import nn
 from schedules import Event, Schedule, Timeline
 
 from pipeline.calibration import calibrate_group
-from pipeline.collectives import all_gather_async, all_reduce, barrier, gather_objects, wait
+from pipeline.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.executor import StepInputs, StepMeter, run_stage
 from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
+from pipeline.process_groups import clock_offset
 from pipeline.slicing import build_chunks
 from pipeline.shared import (
     SharedParameter,
@@ -40,87 +37,6 @@ from pipeline.runner import (
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.transports import make_transport
 from pipeline.transports.base import PeerError
-
-
-def rank_device(group: Any) -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def check_agreement(group: Any, timeout: float, **settings: Any) -> None:
-    """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings.
-
-    One small all-gather; the message names each rank that differs from the majority.
-    """
-    mine = {name: repr(value) for name, value in settings.items()}
-    gathered = gather_objects(mine, group, timeout, "checking that the ranks agree",
-                              rank_device(group))
-    problems = []
-    for name in settings:
-        values = [g[name] for g in gathered]
-        common, _ = Counter(values).most_common(1)[0]
-        for rank, value in enumerate(values):
-            if value != common:
-                problems.append(f"rank {rank} has {name}={value} but the others have {common}")
-    if problems:
-        raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
-
-
-def clock_offset(group: Any, timeout: float, device: torch.device) -> float:
-    """Seconds to subtract from this rank's ``time.perf_counter()`` to read the first rank's.
-
-    Ranks on one host read the same monotonic clock: 0. Across hosts the offset is
-    measured once, at the exit of a barrier (good to a fraction of a millisecond), so
-    that steps need no barrier of their own.
-    """
-    barrier(group, timeout, "aligning clocks")
-    now = time.perf_counter()
-    mine = (socket.gethostname(), now)
-    gathered = gather_objects(mine, group, timeout, "aligning clocks", device)
-    first_host, first_now = gathered[0]
-    return 0.0 if first_host == mine[0] else now - first_now
-
-
-def schedule_digest(schedule: Schedule) -> str:
-    """A short fingerprint of a schedule's full timetable."""
-    text = f"{schedule.stages}/{schedule.microbatches}/{schedule.placement}/{schedule}"
-    return f"{schedule.name}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
-
-
-def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
-    """Build this rank's pipeline group and data-parallel group from the world.
-
-    Ranks are laid out ``rank = replica * pipeline_size + stage``: each pipeline
-    holds consecutive ranks, and the replicas of one stage form a data-parallel
-    group. Every rank must call this (it creates every group, in the same order).
-
-    Returns:
-        ``(pipeline_group, data_group)`` for the calling rank.
-
-    Raises:
-        ValueError: the world size is not ``pipeline_size * data_parallel_size``.
-    """
-    world = dist.get_world_size()
-    if pipeline_size < 1 or data_parallel_size < 1 or pipeline_size * data_parallel_size != world:
-        raise ValueError(
-            f"pipeline_size x data_parallel_size must equal the world size {world}, got "
-            f"{pipeline_size} x {data_parallel_size}"
-        )
-    rank = dist.get_rank()
-    pipeline_group = data_group = None
-    for replica in range(data_parallel_size):
-        ranks = [replica * pipeline_size + stage for stage in range(pipeline_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            pipeline_group = group
-    for stage in range(pipeline_size):
-        ranks = [replica * pipeline_size + stage for replica in range(data_parallel_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            data_group = group
-    return pipeline_group, data_group
 
 
 def _materialise(layers: nn.Sequential, device: torch.device,

@@ -436,7 +436,7 @@ class Pipe:
 
 def _check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:
     """Raise on every rank unless every rank passed the same ``arguments``."""
-    from pipeline.distributed import check_agreement, schedule_digest
+    from pipeline.process_groups import check_agreement, schedule_digest
 
     schedule = arguments["schedule"]
     if isinstance(schedule, Schedule):
