@@ -19,9 +19,14 @@ Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]`` or ``[s
    progress as HANG, kills the ranks and starts fresh ones for the rest. With one GPU
    the part is skipped: NCCL refuses two ranks on one device.
 
+5. ``[predict]``: the step ``Pipe.predict`` foresees against the one measured, one
+   process, two stages (on two GPUs where there are), a few schedules: makespan and
+   bubble before any step and refined after them (``benchmarks/_gpu_predict.py``;
+   figures, not a verdict: an exception is a FAIL, a miss of the 10% bar is printed).
+
 The last line counts PASS / FAIL / HANG and what the budget left out; the exit code is
 1 on any FAIL or HANG, else 0. Without CUDA it says so and exits 0. ``--cpu-dry-run``
-runs parts 2 and 3 on the CPU at tiny sizes (the script's logic, in seconds);
+runs parts 2, 3 and 5 on the CPU at tiny sizes (the script's logic, in seconds);
 ``--gloo`` adds part 4 on two CPU gloo ranks, ``--stall-in NAME`` makes rank 1 stall
 in schedule NAME to show the watchdog at work.
 """
@@ -76,6 +81,7 @@ EXACT_GPU = Sizes(vocab=512, dim=64, layers=6, heads=4, seq=32, rows=17, chunks=
 EXACT_CPU = Sizes(vocab=11, dim=8, layers=3, heads=2, seq=6, rows=7, chunks=4)
 BF16_GPU = Sizes(vocab=8192, dim=1024, layers=8, heads=16, seq=512, rows=32, chunks=4)
 BF16_CPU = Sizes(vocab=64, dim=32, layers=2, heads=2, seq=16, rows=8, chunks=4)
+PREDICT_GPU = Sizes(vocab=8192, dim=1024, layers=8, heads=16, seq=512, rows=32, chunks=8)
 
 
 class Report:
@@ -512,7 +518,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=240.0,
                         help="seconds for the whole check; what does not fit is NOT RUN")
     parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="parts 2 and 3 on the CPU at tiny sizes (no CUDA needed)")
+                        help="parts 2, 3 and 5 on the CPU at tiny sizes (no CUDA needed)")
     parser.add_argument("--gloo", action="store_true",
                         help="with --cpu-dry-run: part 4 on two CPU gloo ranks")
     parser.add_argument("--schedules", default=",".join(schedule_names()),
@@ -542,15 +548,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cpu" if dry else "cuda:0"
     if dry:
-        report.line("env", "--cpu-dry-run: parts 2 and 3 on the CPU at tiny sizes")
+        report.line("env", "--cpu-dry-run: parts 2, 3 and 5 on the CPU at tiny sizes")
     exact_sweep(report, device, EXACT_CPU if dry else EXACT_GPU, args.schedules,
                 step_timeout=20.0 if dry else 30.0)
     bf16_part(report, device, dry)
     if dry and not args.gloo:
-        report.line("nccl", "not run: --cpu-dry-run checks parts 2 and 3 only (add --gloo)")
+        report.line("nccl", "not run: --cpu-dry-run checks parts 2, 3 and 5 only (add --gloo)")
     else:
         two_ranks(report, "gloo" if dry else "nccl", args.schedules, args.stall_in,
                   args.watchdog)
+    predict_part(report, dry)
     code = report.summary()
     if report.counts["HANG"]:
         os._exit(code)  # a hung stage thread could block the interpreter's shutdown
@@ -570,6 +577,27 @@ def bf16_part(report: Report, device: str, dry: bool) -> None:
         report.outcome("bf16", "HANG", "bf16 step", f"not done in {seconds:.0f} s")
     elif status == "error":
         report.outcome("bf16", "FAIL", "bf16 step", short(value))
+
+
+
+def predict_part(report: Report, dry: bool) -> None:
+    """Part 5 under what is left of the budget; an exception or a stall is a FAIL / HANG."""
+    from _gpu_predict import predicted_against_measured, stage_devices
+
+    needed = 5.0 if dry else 40.0
+    if report.left() < needed:
+        report.skip("predict", "the predicted step")
+        return
+    sizes, warmup, steps = (BF16_CPU, 1, 3) if dry else (PREDICT_GPU, 3, 10)
+    batch = make_batch(sizes)
+    seconds = min(report.left(), 150.0)
+    status, value = bounded(lambda: predicted_against_measured(
+        report, lambda: make_gpt(sizes, torch.float32), batch, lm_loss(), sizes.chunks,
+        stage_devices(dry), warmup, steps), seconds)
+    if status == "hang":
+        report.outcome("predict", "HANG", "predicted step", f"not done in {seconds:.0f} s")
+    elif status == "error":
+        report.outcome("predict", "FAIL", "predicted step", short(value))
 
 
 if __name__ == "__main__":
