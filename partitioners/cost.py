@@ -146,3 +146,17 @@ def saved_bytes_of(layers: Sequence[LayerCost]) -> int:
     chunk: each layer's ``saved_bytes``, a tensor two neighbours both save counted once."""
     return sum(cost.saved_bytes for cost in layers) - sum(
         cost.shared_input_bytes for cost in layers[1:])
+
+
+def check_ties(costs: Sequence[LayerCost]) -> None:
+    """Raise ValueError unless every ``tied`` entry names an earlier layer and at most its
+    parameter bytes (the shared parameters are part of that layer's)."""
+    for layer, cost in enumerate(costs):
+        for origin, nbytes in cost.tied:
+            if origin >= layer:
+                raise ValueError(f"LayerCost.tied of layer {layer}: expected an earlier layer, "
+                                 f"got layer {origin}")
+            if nbytes > costs[origin].param_bytes:
+                raise ValueError(f"LayerCost.tied of layer {layer}: {nbytes} bytes of layer "
+                                 f"{origin}, which has only {costs[origin].param_bytes} "
+                                 f"parameter bytes")

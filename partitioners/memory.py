@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 from itertools import accumulate
 
-from partitioners.cost import LayerCost
+from partitioners.cost import LayerCost, check_ties
 from partitioners.feasibility import MemoryCap
 from schedules import Schedule, get_schedule, simulate
 
@@ -54,6 +54,7 @@ def stage_memory(
     A stage also holds a copy of each earlier stage's parameters its layers use
     (``LayerCost.tied``: a head tied to the embedding).
     """
+    check_ties(costs)
     memory, start = [], 0
     for stage, size in enumerate(sizes):
         layers = costs[start : start + size]
@@ -94,6 +95,7 @@ def tied_copies(
 ) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
     """``MemoryCap.copies`` of ``costs``: per layer whose parameters later layers use, those
     layers and ``charge(bytes)`` of what each uses."""
+    check_ties(costs)
     users: dict[int, list[tuple[int, int]]] = {}
     for layer, cost in enumerate(costs):
         for origin, nbytes in cost.tied:

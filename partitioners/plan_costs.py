@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from partitioners.cost import LayerCost, LossCost, Profile, saved_bytes_of
+from partitioners.cost import LayerCost, LossCost, Profile, check_ties, saved_bytes_of
 from schedules import Costs, Link
 
 Hop = float | Link
@@ -60,6 +60,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
     layer's, its backward (an input gradient) before the last layer's. ``overhead``
     seconds (the runtime's own work per action) are added to each F, B, I and W.
     """
+    check_ties(costs)
     loss = costs.loss if isinstance(costs, Profile) else None
     ends = list(accumulate(sizes, initial=0))
     chunk_of = [chunk for chunk, size in enumerate(sizes) for _ in range(size)]

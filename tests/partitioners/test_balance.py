@@ -340,3 +340,21 @@ def test_bad_options_raise_value_error(options: dict, pattern: str) -> None:
     costs = [LayerCost(1.0, 1.0, param_bytes=8), LayerCost(1.0, 1.0, param_bytes=8)]
     with pytest.raises(ValueError, match=pattern):
         balance(costs, 2, **options)
+
+
+@pytest.mark.parametrize(("tied", "pattern"), [
+    (((2, 10),), r"LayerCost.tied of layer 1: expected an earlier layer, got layer 2"),
+    (((1, 10),), r"expected an earlier layer, got layer 1"),
+    (((0, 61),), r"61 bytes of layer 0, which has only 60 parameter bytes"),
+])
+def test_ties_that_cannot_be_are_named(tied: tuple, pattern: str) -> None:
+    costs = [LayerCost(1.0, 1.0, param_bytes=60), LayerCost(1.0, 1.0, tied=tied),
+             LayerCost(1.0, 1.0, param_bytes=5)]
+    with pytest.raises(ValueError, match=pattern):
+        balance(costs, 2, memory_limit=1000, schedule="1f1b", microbatches=2)
+    with pytest.raises(ValueError, match=pattern):
+        stage_memory(costs, [1, 2], (2.0, 1.0))
+    from partitioners.plan_costs import chunk_sums
+
+    with pytest.raises(ValueError, match=pattern):
+        chunk_sums(costs, [1, 2])
