@@ -86,3 +86,27 @@ def test_the_losss_saved_bytes_are_held_by_the_last_chunk() -> None:
     layers = Profile([LayerCost(forward=1.0, backward=1.0, saved_bytes=10)] * 4,
                      loss=LossCost(forward=0.5, backward=0.5, saved_bytes=7))
     assert chunk_sums(layers, [2, 2]).saved == (20, 27)
+
+
+def test_auto_on_a_gpt_with_a_tied_head_and_padding_is_exact_under_a_memory_limit() -> None:
+    # The tied head's copy, the token-weighted loss with an all-padding row, and a limit
+    # that rules out the unlimited pick: whatever schedule, count, cut and recomputation
+    # the plan takes, the step equals the unpipelined model's, and the pick fits.
+    import zoo
+
+    x, y = zoo.gpt_batch()
+    expected_loss, expected = zoo.reference_grads(zoo.tiny_gpt(), x, y, zoo.gpt_loss())
+    options = {"chunks": "auto", "schedule": "auto", "devices": ["cpu", "cpu"], "sample": x,
+               "sample_target": y, "loss_fn": zoo.gpt_loss()}
+    free = Pipe(zoo.tiny_gpt(), **options)
+    leanest = min(max(c.peak_memory) for c in free.plan.candidates)
+    unlimited = max(free.plan.peak_memory)
+    assert leanest < unlimited
+    limit = (leanest + unlimited) / 2
+    model = zoo.tiny_gpt()
+    pipe = Pipe(model, memory_limit=limit, **options)
+    assert max(pipe.plan.peak_memory) <= limit < unlimited
+    loss = float(pipe.step(x, y))
+    assert abs(loss - expected_loss) < TOLERANCE
+    error, compared = zoo.grad_errors(model, expected)
+    assert error < TOLERANCE and len(compared) == len(expected)
