@@ -44,8 +44,9 @@ the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 hold there except for V-Half at M = 2P with even P >= 10 (and P = 15), up to 0.55x
 (see the tests). There the last stage meets its bound in the warm-up (it starts at
 P-1 and the cap leaves it P-2 units with nothing to run before its first input
-gradient); the units lost are in the drain, where the last micro-batches reach stage 0
-at the steady rhythm of six units while each needs only five there.
+gradient); the units lost are in the drain, where every stage is at the cap and the
+last micro-batch's forwards wait at every other stage for a weight gradient to free a
+slot.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def test_bubble_bars_of_issue_13_where_reached(name):
 
 
 @pytest.mark.xfail(strict=True, reason="V-Half at M = 2P for even P >= 10 (and P = 15): the "
-                   "last micro-batches drain at the steady rhythm (README, known limits)")
+                   "last micro-batch waits for memory on its way (README, known limits)")
 @pytest.mark.parametrize("name", ["v-half"])
 def test_bubble_bars_of_issue_13_everywhere(name):
     for stages, microbatches in SHORT_OF_THE_BAR[name]:

@@ -1,0 +1,127 @@
+"""The rendezvous simulation behind ``comm_plan(strategy="overlap")``.
+
+Stages run their actions with costs, and a message moves only while both of its stages
+wait between actions (in a gap), as under NCCL's rules; the ops that moved in each gap
+become that gap's group. Why that cannot deadlock is in ``schedules.comm``'s docstring.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from schedules.action import Action, Op, Schedule
+
+if TYPE_CHECKING:
+    from schedules.comm import CommOp, _Message
+
+
+def default_durations(schedule: Schedule) -> list[list[float]]:
+    """Per stage and action, ``simulate``'s default cost: F 1, B 2, I and W 1 each, a stage's
+    share split evenly between its chunks."""
+    unit = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
+    return [
+        [unit[action.op] / len(chunks) for action in actions]
+        for actions, chunks in zip(schedule.order, schedule.chunks_of_stage)
+    ]
+
+
+class Rendezvous:
+    """The simulation behind ``"overlap"``: stages run their actions with costs, and a
+    message moves only while both of its stages wait between actions (in a gap).
+
+    ``position[s]`` is the gap stage s is in, or, while it computes, the gap it will
+    reach next (just after the action it runs). ``run`` returns, per stage and gap,
+    the ops that moved there, in the order they moved.
+    """
+
+    def __init__(self, order: tuple[tuple[Action, ...], ...], durations: list[list[float]],
+                 out: list[list[list[_Message]]], needs: list[list[list[_Message]]]) -> None:
+        stages = len(order)
+        self.order = order
+        self.durations = durations
+        self.out = out  # per stage and action, the messages it produces
+        self.needs = needs  # per stage and action, the messages it needs first
+        self.position = [0] * stages
+        self.in_gap = [False] * stages
+        self.done = [False] * stages
+        self.busy_until = [0.0] * stages
+        self.pending: list[dict[int, list[_Message]]] = [defaultdict(list) for _ in range(stages)]
+        self.senders: list[set[int]] = [set() for _ in range(stages)]
+        self.gaps: list[dict[int, list[CommOp]]] = [defaultdict(list) for _ in range(stages)]
+        self.heap = [(0.0, stage, stage) for stage in range(stages)]
+        self.tick = stages
+
+    def run(self) -> list[dict[int, list[CommOp]]]:
+        heap, in_gap = self.heap, self.in_gap
+        while heap:
+            now = heap[0][0]
+            arrived = []
+            while heap and heap[0][0] <= now:
+                stage = heapq.heappop(heap)[2]
+                self._arrive(stage)
+                arrived.append(stage)
+            # Everyone arriving at this instant is in a gap before anyone leaves.
+            touched = set(arrived)
+            for stage in arrived:
+                if self.senders[stage] or self.pending[stage]:
+                    self._deliver(stage, touched)
+            for stage in sorted(touched):
+                if in_gap[stage]:
+                    self._try_leave(stage, now)
+        if not all(self.done):  # cannot happen for a validated schedule
+            stuck = [stage for stage, done in enumerate(self.done) if not done]
+            raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
+        return self.gaps
+
+    def _arrive(self, stage: int) -> None:
+        position = self.position[stage]
+        if position > 0:
+            for message in self.out[stage][position - 1]:
+                self.pending[stage][message.destination].append(message)
+                self.senders[message.destination].add(stage)
+        self.in_gap[stage] = True
+
+    def _deliver(self, stage: int, touched: set[int]) -> None:
+        """Move every message between ``stage`` and peers also in a gap; add them to touched."""
+        for destination, messages in list(self.pending[stage].items()):
+            if self.in_gap[destination]:
+                self._move(stage, destination)
+                touched.add(destination)
+        for source in list(self.senders[stage]):
+            if self.in_gap[source]:
+                self._move(source, stage)
+                touched.add(source)
+
+    def _move(self, source: int, destination: int) -> None:
+        messages = self.pending[source].pop(destination)
+        sends = self.gaps[source][self.position[source]]
+        receives = self.gaps[destination][self.position[destination]]
+        for message in messages:
+            sends.append(message.op("send"))
+            receives.append(message.op("recv"))
+            message.moved = True
+        self.senders[destination].discard(source)
+
+    def _try_leave(self, stage: int, now: float) -> None:
+        position, pending = self.position[stage], self.pending[stage]
+        if position == len(self.order[stage]):
+            if not pending:
+                self.done[stage], self.in_gap[stage] = True, False
+            return
+        for message in self.needs[stage][position]:
+            if not message.moved:
+                return
+        end = now + self.durations[stage][position]
+        for destination, messages in pending.items():
+            # Wait for a receiver that needs this next and arrives before we would be back.
+            if self.busy_until[destination] < end and any(
+                message.consumer_index == self.position[destination] for message in messages
+            ):
+                return
+        self.in_gap[stage] = False
+        self.position[stage] = position + 1
+        self.busy_until[stage] = end
+        heapq.heappush(self.heap, (end, self.tick, stage))
+        self.tick += 1
