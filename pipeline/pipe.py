@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -17,6 +17,7 @@ from pipeline.coordination import choose_plan, on_rank_zero, share_overflow
 from pipeline.loss import loss_rule
 from pipeline.memory import MemoryReport
 from pipeline.microbatch import merge, split, split_batch
+from pipeline.model_like import ModelLike
 from pipeline.options import (
     build_schedule,
     check_model,
@@ -32,7 +33,7 @@ from pipeline.transports.base import PeerError
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
 
-class Pipe:
+class Pipe(ModelLike):
     """Run ``model`` as a pipeline: its layers cut into stages, micro-batches in a schedule.
 
     In one process (``group=None``) each stage is a thread on its own device.
@@ -361,51 +362,6 @@ class Pipe:
         return merge(outputs)
 
     forward = __call__
-
-    # -- model-like helpers ---------------------------------------------------------------
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters this process holds (all of them in one process), each once; after
-        ``close``, those it held (a rank's share of the model stays where it was)."""
-        if self._runner is None:
-            return (p for p in self.model.parameters() if not p.is_meta)
-        return self._runner.parameters()
-
-    def train(self, mode: bool = True) -> Pipe:
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> Pipe:
-        return self.train(False)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for parameter in self.parameters():
-            if set_to_none:
-                parameter.grad = None
-            elif parameter.grad is not None:
-                parameter.grad.zero_()
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state under its own keys (with a group: this rank's layers only)."""
-        if self._runner is None:
-            return self.model.state_dict()
-        return self._runner.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped)."""
-        if self._runner is None:
-            self.model.load_state_dict(state, strict=strict)
-        else:
-            self._runner.load_state_dict(state, strict=strict)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over every stage's gradients; returns that total norm.
-
-        Same result as ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
-        """
-        if self._runner is None:
-            return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
-        return self._runner.clip_grad_norm_(max_norm, norm_type)
 
     # -- lifetime -------------------------------------------------------------------------
 

@@ -1,0 +1,66 @@
+"""The nn.Module-like methods of a Pipe: parameters, train/eval, gradients and state dicts.
+
+Each works on the model before the Pipe has built its runner and on the runner's share
+of the model after (with a group: this rank's layers only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+
+Same = TypeVar("Same", bound="ModelLike")
+
+
+class ModelLike:
+    """Mixed into ``Pipe``: what a training loop calls on a model."""
+
+    model: nn.Sequential
+    _runner: Any
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters this process holds (all of them in one process), each once; after
+        ``close``, those it held (a rank's share of the model stays where it was)."""
+        if self._runner is None:
+            return (p for p in self.model.parameters() if not p.is_meta)
+        return self._runner.parameters()
+
+    def train(self: Same, mode: bool = True) -> Same:
+        self.model.train(mode)
+        return self
+
+    def eval(self: Same) -> Same:
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for parameter in self.parameters():
+            if set_to_none:
+                parameter.grad = None
+            elif parameter.grad is not None:
+                parameter.grad.zero_()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state under its own keys (with a group: this rank's layers only)."""
+        if self._runner is None:
+            return self.model.state_dict()
+        return self._runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped)."""
+        if self._runner is None:
+            self.model.load_state_dict(state, strict=strict)
+        else:
+            self._runner.load_state_dict(state, strict=strict)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients; returns that total norm.
+
+        Same result as ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
+        """
+        if self._runner is None:
+            return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
+        return self._runner.clip_grad_norm_(max_norm, norm_type)
