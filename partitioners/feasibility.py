@@ -40,6 +40,20 @@ from functools import cached_property
 from partitioners.intervals import Intervals, clip, merge, predecessor
 
 
+Copies = tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+
+
+def copied_bytes(copies: Copies, start: int, end: int) -> int:
+    """Of ``copies`` (see ``MemoryCap.copies``), the bytes a stage of layers ``start..end-1``
+    holds: per earlier layer some of its users use, the most any of them uses."""
+    total = 0
+    for origin, users, used in copies:
+        if origin < start:
+            first, last = bisect_left(users, start), bisect_left(users, end)
+            total += max(used[first:last], default=0)
+    return total
+
+
 @dataclass(frozen=True)
 class MemoryCap:
     """Stage memory ``fixed + held[stage] * saved`` over its layers, plus
@@ -67,16 +81,11 @@ class MemoryCap:
     limit: int
     inputs: tuple[int, ...] = ()
     held_inputs: tuple[int, ...] = ()
-    copies: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    copies: Copies = ()
 
     def copied(self, start: int, end: int) -> int:
         """Bytes of the copies of earlier layers' parameters that layers ``start..end-1`` hold."""
-        total = 0
-        for origin, users, used in self.copies:
-            if origin < start:
-                first, last = bisect_left(users, start), bisect_left(users, end)
-                total += max(used[first:last], default=0)
-        return total
+        return copied_bytes(self.copies, start, end)
 
     def _kept_inputs(self, start: int, stage: int) -> int:
         return self.held_inputs[stage] * self.inputs[start] if self.held_inputs else 0

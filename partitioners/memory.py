@@ -8,7 +8,7 @@ from fractions import Fraction
 from itertools import accumulate
 
 from partitioners.cost import LayerCost, check_ties
-from partitioners.feasibility import MemoryCap
+from partitioners.feasibility import Copies, MemoryCap
 from schedules import Schedule, get_schedule, simulate
 
 
@@ -92,7 +92,7 @@ def memory_cap(
 
 def tied_copies(
     costs: Sequence[LayerCost], charge: Callable[[int], int]
-) -> tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]:
+) -> Copies:
     """``MemoryCap.copies`` of ``costs``: per layer whose parameters later layers use, those
     layers and ``charge(bytes)`` of what each uses."""
     check_ties(costs)

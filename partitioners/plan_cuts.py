@@ -28,7 +28,7 @@ from itertools import accumulate
 
 from partitioners.balance import balance
 from partitioners.cost import LayerCost, Profile
-from partitioners.feasibility import MemoryCap, Problem, cut_from, reachable
+from partitioners.feasibility import MemoryCap, Problem, copied_bytes, cut_from, reachable
 from partitioners.memory import tied_copies
 from partitioners.minmax import NoCutFits, slowest_stage_bound, smallest_memory_cap
 
@@ -129,13 +129,12 @@ def cut_memory(
     full, kept = _full_and_inputs(held, checkpoint)
     inputs = [0] + [cost.activation_bytes for cost in costs[:-1]]
     largest = _largest_from(inputs)
-    copies = MemoryCap((), (), (), 0, copies=tied_copies(
-        costs, lambda nbytes: math.ceil((2 + optimizer_factor) * nbytes)))
+    copies = tied_copies(costs, lambda nbytes: math.ceil((2 + optimizer_factor) * nbytes))
     ends = list(accumulate(sizes, initial=0))
     return [
         sum(math.ceil((2 + optimizer_factor) * costs[i].param_bytes) for i in range(a, b))
         + full[s] * sum(max(costs[i].saved_bytes, inputs[i]) for i in range(a, b))
-        + kept[s] * largest[a] + copies.copied(a, b)
+        + kept[s] * largest[a] + copied_bytes(copies, a, b)
         for s, (a, b) in enumerate(zip(ends, ends[1:]))
     ]
 
