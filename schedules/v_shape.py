@@ -39,14 +39,19 @@ gap, with and without overtaking, with and without the room; ``SPINES``) are tri
 and the shortest kept; the result depends on the counts only. Stages hold at most
 the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 ``ceil((P+4)/3)`` full-stage micro-batches per stage, V-Half ``ceil((P+2)/2)``;
-1F1B holds P. With F = I = W the bubbles are 0.29-0.55x (V-Half) and 0.31-0.69x
-(V-Min) of 1F1B's for 4 <= P <= 16, M in {2P, 4P}; the issue's bars (0.5x, 0.7x)
-hold there except for V-Half at M = 2P with even P >= 10 (and P = 15), up to 0.55x
-(see the tests). There the last stage meets its bound in the warm-up (it starts at
-P-1 and the cap leaves it P-2 units with nothing to run before its first input
-gradient); the units lost are in the drain, where every stage is at the cap and the
-last micro-batch's forwards wait at every other stage for a weight gradient to free a
-slot.
+1F1B holds P.
+
+With F = I = W every stage idles the same time at any M >= 2P: V-Half 6*floor(P/2)-7
+chunk units for P >= 6 (41 at P = 16), V-Min 5 to 53 for P in 4..16, against 1F1B's
+6(P-1): 0.28-0.46x and 0.28-0.60x of 1F1B's bubble time. As a fraction of the step,
+which also counts 1F1B's longer step, V-Half is 0.50-0.55x at M = 2P for even P >= 10
+(and P = 15): there its makespan equals that of its authors' generator
+(sail-sg/zero-bubble-pipeline-parallelism, run on the same cells), which the tests pin.
+What sets it: the last stage meets its bound in the warm-up (it starts at P-1, and
+the cap leaves it P-2 more units with nothing to run before its first input
+gradient); the rest is lost in the drain, where every stage is at the cap and the
+last micro-batch's forwards wait at every other stage for a weight gradient to free
+a slot.
 """
 
 from __future__ import annotations
