@@ -28,7 +28,9 @@ The last line counts PASS / FAIL / HANG and what the budget left out; the exit c
 1 on any FAIL or HANG, else 0. Without CUDA it says so and exits 0. ``--cpu-dry-run``
 runs parts 2, 3 and 5 on the CPU at tiny sizes (the script's logic, in seconds);
 ``--gloo`` adds part 4 on two CPU gloo ranks, ``--stall-in NAME`` makes rank 1 stall
-in schedule NAME to show the watchdog at work.
+in schedule NAME to show the watchdog at work. Part 4 is ``_gpu_ranks.py``, part 5
+``_gpu_predict.py``, and what the parts share (the report, the GPT, gradient checks)
+``_gpu_common.py``.
 """
 
 from __future__ import annotations
@@ -36,158 +38,20 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import multiprocessing
 import os
-import queue as queue_module
 import statistics
 import sys
-import threading
 import time
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # examples/ is not an installed package
+import torch
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from _gpu_common import (BF16_CPU, BF16_GPU, EXACT_CPU, EXACT_GPU, MODES, PREDICT_GPU,
+                         TOLERANCE, Report, Sizes, bounded, grad_error, lm_loss, make_batch,
+                         make_gpt, reference_grads, short)
+from _gpu_ranks import two_ranks
 
-from examples.gpt import IGNORE_INDEX, gpt, lm_loss  # noqa: E402
-
-MODES = ("always", "except_last", "never")
-TOLERANCE = 1e-10
 BF16_LOSS_TOLERANCE = 5e-2
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """A GPT and its batch: ``layers + 3`` modules, ``rows`` sequences, ``chunks`` micro-batches."""
-
-    vocab: int
-    dim: int
-    layers: int
-    heads: int
-    seq: int
-    rows: int
-    chunks: int
-
-
-# Exact sweeps: 4 micro-batches (dualpipe-v needs 2P), an uneven last one, >= 4 layers.
-EXACT_GPU = Sizes(vocab=512, dim=64, layers=6, heads=4, seq=32, rows=17, chunks=4)
-EXACT_CPU = Sizes(vocab=11, dim=8, layers=3, heads=2, seq=6, rows=7, chunks=4)
-BF16_GPU = Sizes(vocab=8192, dim=1024, layers=8, heads=16, seq=512, rows=32, chunks=4)
-BF16_CPU = Sizes(vocab=64, dim=32, layers=2, heads=2, seq=16, rows=8, chunks=4)
-PREDICT_GPU = Sizes(vocab=8192, dim=1024, layers=8, heads=16, seq=512, rows=32, chunks=8)
-
-
-class Report:
-    """Prints each labelled line at once, and counts the outcomes for the summary."""
-
-    def __init__(self, budget: float) -> None:
-        self.start = time.monotonic()
-        self.deadline = self.start + budget
-        self.budget = budget
-        self.counts = {"PASS": 0, "FAIL": 0, "HANG": 0}
-        self.not_run: list[str] = []
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def line(self, part: str, text: str) -> None:
-        print(f"[{part}] {text}", flush=True)
-
-    def outcome(self, part: str, verdict: str, label: str, detail: str) -> None:
-        self.counts[verdict] += 1
-        self.line(part, f"{verdict:<4} {label}  {detail}")
-
-    def skip(self, part: str, what: str, why: str = "") -> None:
-        self.not_run.append(what)
-        self.line(part, f"NOT RUN {what} ({why or f'budget: {max(self.left(), 0):.0f} s left'})")
-
-    def summary(self) -> int:
-        c = self.counts
-        elapsed = time.monotonic() - self.start
-        self.line("summary", f"PASS {c['PASS']}  FAIL {c['FAIL']}  HANG {c['HANG']}  "
-                             f"NOT RUN {len(self.not_run)}  ({elapsed:.1f} s of {self.budget:.0f} s)")
-        bad = c["FAIL"] + c["HANG"]
-        verdict = "FAILED" if bad else ("INCOMPLETE" if self.not_run else "OK")
-        self.line("summary", f"RESULT {verdict}")
-        return 1 if bad else 0
-
-
-# -- the model, its batch, the reference ----------------------------------------------------
-
-
-def make_gpt(sizes: Sizes, dtype: torch.dtype, seed: int = 0) -> nn.Sequential:
-    """examples/gpt.py's model without randomness (its head tied to the embedding)."""
-    torch.manual_seed(seed)
-    model = gpt(sizes.vocab, sizes.dim, sizes.layers, sizes.heads, sizes.seq,
-                drop_path=0.0, dropout=0.0)
-    return model.to(dtype)
-
-
-def make_batch(sizes: Sizes, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and next-token targets, row r padded from ``seq - r % 3`` on."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, sizes.vocab, (sizes.rows, sizes.seq + 1), generator=generator)
-    x, target = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    for row in range(sizes.rows):
-        target[row, sizes.seq - row % 3:] = IGNORE_INDEX
-    return x, target
-
-
-def layer_grads(model: nn.Sequential) -> dict[str, torch.Tensor | None]:
-    """``"{layer}.{name}"`` -> gradient on the CPU; a tied weight appears under each layer."""
-    return {f"{index}.{name}": None if p.grad is None else p.grad.detach().cpu()
-            for index, layer in enumerate(model) for name, p in layer.named_parameters()
-            if not p.is_meta}
-
-
-def reference_grads(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
-                    device: torch.device) -> dict[str, torch.Tensor | None]:
-    """The unpipelined model's gradients on the whole batch (the model is not touched)."""
-    plain = copy.deepcopy(model).to(device)
-    lm_loss()(plain(x.to(device)), y.to(device)).backward()
-    return layer_grads(plain)
-
-
-def grad_error(model: nn.Sequential, expected: dict[str, Any]) -> tuple[float, int]:
-    """Largest difference over the parameters held here, and how many were compared."""
-    worst, compared = 0.0, 0
-    for key, grad in layer_grads(model).items():
-        compared += 1
-        if grad is None:
-            return math.inf, compared
-        value = float((grad - expected[key]).abs().max())
-        worst = math.inf if math.isnan(value) else max(worst, value)
-    return worst, compared
-
-
-def short(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:160]
-
-
-def bounded(fn: Callable[[], Any], seconds: float) -> tuple[str, Any]:
-    """Run ``fn`` in a daemon thread: ("ok", value), ("error", exception) or ("hang", None)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["ok"] = fn()
-        except BaseException as error:  # reported by the caller
-            box["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True, name="gpu-check")
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        return "hang", None
-    return ("ok", box["ok"]) if "ok" in box else ("error", box["error"])
 
 
 # -- 1. the environment -----------------------------------------------------------------------
@@ -287,6 +151,21 @@ def gib(value: float) -> str:
     return "n/a (CPU)" if math.isnan(value) else f"{value:.2f} GiB"
 
 
+def unpipelined_steps(sizes: Sizes, device: str, x: torch.Tensor, y: torch.Tensor, warmup: int,
+                      steps: int) -> tuple[float, float, float]:
+    """``timed_steps`` of the bf16 GPT without a pipe; the model is freed on return."""
+    plain = make_gpt(sizes, torch.bfloat16).to(device)
+    loss_fn = lm_loss()
+
+    def plain_step() -> torch.Tensor:
+        plain.zero_grad(set_to_none=True)
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return timed_steps(plain_step, device.startswith("cuda"), warmup, steps)
+
+
 def bf16_step(report: Report, device: str, sizes: Sizes, warmup: int, steps: int) -> None:
     from pipeline import Pipe
 
@@ -297,18 +176,9 @@ def bf16_step(report: Report, device: str, sizes: Sizes, warmup: int, steps: int
                         f"{sizes.rows} x {sizes.seq} tokens, bf16 params; pipe: 1f1b M={sizes.chunks} "
                         f"except_last on [{device}, {device}]; median of {steps} steps "
                         f"after {warmup}")
-    plain = make_gpt(sizes, torch.bfloat16).to(device)
-
-    def plain_step() -> torch.Tensor:
-        plain.zero_grad(set_to_none=True)
-        loss = loss_fn(plain(x), y)
-        loss.backward()
-        return loss.detach()
-
-    plain_ms, plain_loss, plain_peak = timed_steps(plain_step, cuda, warmup, steps)
-    del plain
+    plain_ms, plain_loss, plain_peak = unpipelined_steps(sizes, device, x, y, warmup, steps)
     if cuda:
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the unpipelined model is gone: its memory is not the pipe's
     pipe = Pipe(make_gpt(sizes, torch.bfloat16), chunks=sizes.chunks, devices=[device, device],
                 schedule="1f1b", loss_fn=loss_fn)
 
@@ -325,187 +195,6 @@ def bf16_step(report: Report, device: str, sizes: Sizes, warmup: int, steps: int
     report.outcome("bf16", "PASS" if ok else "FAIL", "bf16 loss agrees",
                    f"pipe {pipe_loss:.4f} vs unpipelined {plain_loss:.4f} "
                    f"(relative {difference:.1e}, bar {BF16_LOSS_TOLERANCE})")
-
-
-# -- 4. two ranks (NCCL on GPUs; gloo on the CPU for a dry run) ------------------------------
-
-
-def rank_main(rank: int, world: int, port: int, backend: str, schedules: list[str],
-              stall_in: str | None, timeout: float, results: Any) -> None:
-    """One spawned rank: every schedule on a fresh group; one answer per schedule."""
-    import torch.distributed as dist
-
-    os.environ["LOCAL_RANK"] = str(rank)  # pipeline.distributed picks cuda:LOCAL_RANK
-    torch.set_num_threads(1)
-    try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout))
-        sizes = EXACT_GPU if backend == "nccl" else EXACT_CPU
-        model = make_gpt(sizes, torch.float64)
-        x, y = make_batch(sizes)
-        expected = reference_grads(model, x, y, device)
-        for name in schedules:
-            if name == stall_in and rank == 1:
-                time.sleep(3600)  # --stall-in: the watchdog must report this, not wait
-            answer = rank_step(model, x, y, expected, name, sizes.chunks, timeout, device)
-            results.put((rank, name, *answer))
-    except BaseException as error:  # reported to the parent
-        results.put((rank, None, "error", f"{short(error)}\n{traceback.format_exc()}", 0))
-    finally:
-        # Flush the answers, then leave without atexit handlers, which could block on a
-        # process group whose peer is gone.
-        results.close()
-        results.join_thread()
-        os._exit(0)
-
-
-def rank_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor, expected: dict[str, Any],
-              name: str, chunks: int, timeout: float,
-              device: torch.device) -> tuple[str, Any, int]:
-    """("ok", max gradient error, tensors compared) or ("error", text, 0)."""
-    import torch.distributed as dist
-
-    from pipeline import Pipe
-
-    try:
-        group = dist.new_group([0, 1])  # messages a failed step left cannot reach the next
-        trained = copy.deepcopy(model)
-        pipe = Pipe(trained, chunks=chunks, schedule=name, loss_fn=lm_loss(),
-                    group=group, timeout=timeout)
-        rank = dist.get_rank()
-        first, last = (pipe.schedule.placement[i] == rank for i in (0, -1))
-        pipe.step(x.to(device) if first else None, y.to(device) if last else None)
-        error, compared = grad_error(trained, expected)
-        return "ok", error, compared
-    except Exception as error:  # noqa: BLE001 - one schedule's failure, reported
-        return "error", short(error), 0
-
-
-def judge(report: Report, part: str, name: str,
-          answers: dict[int, tuple[str, Any, int]]) -> None:
-    """PASS when both ranks held gradients and each is within the tolerance."""
-    if all(status == "ok" for status, _, _ in answers.values()):
-        worst = max(value for _, value, _ in answers.values())
-        counts = ", ".join(f"rank {r}: {answers[r][2]}" for r in sorted(answers))
-        held = all(answers[r][2] > 0 for r in answers)
-        verdict = "PASS" if worst < TOLERANCE and held else "FAIL"
-        report.outcome(part, verdict, f"{name:<16}",
-                       f"max abs grad error {worst:.1e} (tensors {counts})")
-    else:
-        errors = "; ".join(f"rank {r}: {answers[r][1]}" for r in sorted(answers)
-                           if answers[r][0] != "ok")
-        report.outcome(part, "FAIL", f"{name:<16}", errors)
-
-
-class Ranks:
-    """Two spawned ranks running ``schedules``, and their answers by schedule and rank."""
-
-    def __init__(self, backend: str, schedules: list[str], stall_in: str | None,
-                 timeout: float) -> None:
-        from pipeline.launch import free_port
-
-        context = multiprocessing.get_context("spawn")
-        self.results = context.Queue()
-        port = free_port()
-        self.processes = [
-            context.Process(target=rank_main, daemon=True, args=(
-                rank, 2, port, backend, schedules, stall_in, timeout, self.results))
-            for rank in range(2)
-        ]
-        for process in self.processes:
-            process.start()
-        self.answers: dict[str, dict[int, tuple[str, Any, int]]] = {n: {} for n in schedules}
-
-    def wait_for(self, name: str, report: Report, deadline: float) -> str:
-        """``"done"``, ``"hang"``, ``"budget"``, ``"dead: ..."`` or ``"start-up: ..."``."""
-        while len(self.answers[name]) < 2:
-            if time.monotonic() > deadline:
-                return "hang"
-            if report.left() <= 0:
-                return "budget"
-            try:
-                rank, answered, *answer = self.results.get(timeout=0.2)
-            except queue_module.Empty:
-                # A rank flushes its answers before it exits: a dead one that has not
-                # answered by now never will.
-                dead = [f"rank {r} (exit code {p.exitcode})"
-                        for r, p in enumerate(self.processes)
-                        if not p.is_alive() and r not in self.answers[name]]
-                if dead:
-                    return f"dead: {', '.join(dead)} ended without an answer"
-                continue
-            if answered is None:  # a rank failed outside any schedule
-                return f"start-up: rank {rank}: {answer[1]}"
-            self.answers[answered][rank] = (answer[0], answer[1], answer[2])
-        return "done"
-
-    def missing(self, name: str) -> list[int]:
-        return sorted(set(range(2)) - set(self.answers[name]))
-
-    def close(self) -> None:
-        for process in self.processes:
-            process.join(timeout=2)
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-
-def launch_ranks(report: Report, backend: str, schedules: list[str], stall_in: str | None,
-                 timeout: float, watchdog: float, startup: float) -> list[str]:
-    """Run ``schedules`` on two fresh ranks; return those left to run after a HANG."""
-    ranks = Ranks(backend, schedules, stall_in, timeout)
-    deadline = time.monotonic() + startup + watchdog  # the first also waits for start-up
-    try:
-        for index, name in enumerate(schedules):
-            state = ranks.wait_for(name, report, deadline)
-            if state == "done":
-                judge(report, backend, name, ranks.answers[name])
-                deadline = time.monotonic() + watchdog
-                continue
-            if state == "hang":
-                report.outcome(backend, "HANG", f"{name:<16}",
-                               f"no answer from rank(s) {ranks.missing(name)} in "
-                               f"{watchdog:.0f} s; ranks killed, fresh ones for the rest")
-                return schedules[index + 1:]
-            if state.startswith("dead"):
-                report.outcome(backend, "FAIL", f"{name:<16}",
-                               f"{state[6:]}; fresh ranks for the rest")
-                return schedules[index + 1:]
-            why = ""
-            if state.startswith("start-up"):  # every schedule would fail alike
-                report.outcome(backend, "FAIL", "start-up", state[10:])
-                why = "the ranks did not start"
-            for rest in schedules[index:]:
-                report.skip(backend, rest, why)
-            return []
-        return []
-    finally:
-        ranks.close()
-
-
-def two_ranks(report: Report, backend: str, schedules: list[str], stall_in: str | None,
-              watchdog: float | None) -> None:
-    """Part 4: every schedule on two ranks, relaunching after a HANG while the budget lasts."""
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        report.line("nccl", f"skipped: {torch.cuda.device_count()} GPU here, and NCCL refuses "
-                            "two ranks on one GPU (duplicate GPU detected), so the NCCL runtime "
-                            "cannot be checked on this machine")
-        return
-    timeout, default, startup = (30.0, 45.0, 60.0) if backend == "nccl" else (8.0, 12.0, 30.0)
-    watchdog = default if watchdog is None else watchdog
-    report.line(backend, f"2 {backend} ranks, GPT float64 M={EXACT_CPU.chunks}, checkpoint "
-                        f"except_last; watchdog {watchdog:.0f} s per schedule")
-    remaining = list(schedules)
-    while remaining:
-        if report.left() < watchdog + startup:
-            for name in remaining:
-                report.skip(backend, name)
-            return
-        remaining = launch_ranks(report, backend, remaining, stall_in, timeout, watchdog,
-                                 startup)
 
 
 # -- the command -----------------------------------------------------------------------------
