@@ -41,17 +41,26 @@ the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 ``ceil((P+4)/3)`` full-stage micro-batches per stage, V-Half ``ceil((P+2)/2)``;
 1F1B holds P.
 
-With F = I = W every stage idles the same time at any M >= 2P: V-Half 6*floor(P/2)-7
-chunk units for P >= 6 (41 at P = 16), V-Min 5 to 53 for P in 4..16, against 1F1B's
-6(P-1): 0.28-0.46x and 0.28-0.60x of 1F1B's bubble time. As a fraction of the step,
-which also counts 1F1B's longer step, V-Half is 0.50-0.55x at M = 2P for even P >= 10
-(and P = 15): there its makespan equals that of its authors' generator
-(sail-sg/zero-bubble-pipeline-parallelism, run on the same cells), which the tests pin.
-What sets it: the last stage meets its bound in the warm-up (it starts at P-1, and
-the cap leaves it P-2 more units with nothing to run before its first input
-gradient); the rest is lost in the drain, where every stage is at the cap and the
-last micro-batch's forwards wait at every other stage for a weight gradient to free
-a slot.
+With F = I = W (one unit per chunk action) no schedule with the V placement and a cap
+of c chunk activations per stage can idle less than max(0, 3P-1-c) + max(0, 3P-2c)
+units per stage for M >= P (``v_idle_bound``). Every stage does 6M units, so each idles the makespan E less
+6M, and the last stage, which holds chunks P-1 and P, shows it:
+
+- warm-up: its first input gradient starts at 3P-1 at the earliest (micro-batch 0's
+  forwards to chunk 2P-1 and input gradients back to chunk P). No W can come before an
+  I, so until then it runs forwards only, at most c of them: it idles 3P-1-c there.
+- drain: a forward of chunk P that starts at t is followed by a chain of 3P actions
+  (the forwards up, the input gradients back to chunk 0, its W), so every one starts
+  before E-3P (and chunk P-1's before it). The last 3P units run only I and W of activations
+  held at E-3P, at most c of them, two actions each: it idles 3P-2c there.
+
+With V-Half's cap (c = P+2 for even P, P+3 for odd) that is 3P-7 or 3P-10 units (6 at
+P = 5); the replays reach it at every P in 4..16 and every M >= 2P tried: optimal.
+V-Min's cap gives 5 to 53 units for P in 4..16, reached but at P = 12 and 15 (two
+over). Against 1F1B's 6(P-1): 0.28-0.46x (V-Half) and 0.28-0.60x (V-Min) of its bubble
+time. As a fraction of the step, which also counts 1F1B's longer step, the same bound
+puts V-Half above 0.5x 1F1B's at M = 2P for even P >= 10 and P = 15, and at M = 4P for
+P = 14 and 16 (0.50-0.55x): there no schedule within V-Half's memory bar does better.
 """
 
 from __future__ import annotations
@@ -133,6 +142,16 @@ def block_times(variant: Variant, stages: int, stage: int,
         return (s, 2 * p - 1 - s, 2 * p + g + s, 4 * p - 1 + g - s)
     g = (1 if p % 2 else 4) if gap is None else gap
     return (2 * s, 3 * p - 2 - s, 3 * p - 1 + g + 2 * s, 6 * p - 3 + g - s)
+
+
+def v_idle_bound(variant: Variant, stages: int) -> int:
+    """The fewest chunk-action units any schedule with ``variant``'s cap idles per stage.
+
+    For unit chunk costs (F = I = W), M >= P and the V placement; the proof is in the
+    module's docstring (the last stage's warm-up and drain).
+    """
+    p, cap = stages, 2 * v_memory_cap(variant, stages)
+    return max(0, 3 * p - 1 - cap) + max(0, 3 * p - 2 * cap)
 
 
 @lru_cache(maxsize=256)
