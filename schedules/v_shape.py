@@ -56,8 +56,7 @@ units per stage for M >= P (``v_idle_bound``). Every stage does 6M units, so eac
 
 With V-Half's cap (c = P+2 for even P, P+3 for odd) that is 3P-7 or 3P-10 units (6 at
 P = 5); the replays reach it at every P in 4..16 and every M >= 2P tried: optimal.
-V-Min's cap gives 5 to 53 units for P in 4..16, reached but at P = 12 and 15 (two
-over). Against 1F1B's 6(P-1): 0.28-0.46x (V-Half) and 0.28-0.60x (V-Min) of its bubble
+V-Min's cap gives 5 to 53 units for P in 4..16, also reached everywhere. Against 1F1B's 6(P-1): 0.28-0.46x (V-Half) and 0.28-0.60x (V-Min) of its bubble
 time. As a fraction of the step, which also counts 1F1B's longer step, the same bound
 puts V-Half above 0.5x 1F1B's at M = 2P for even P >= 10 and P = 15, and at M = 4P for
 P = 14 and 16 (0.50-0.55x): there no schedule within V-Half's memory bar does better.
@@ -183,15 +182,17 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
 # the way down leaves a slot free for the micro-batch's way back up.
 REPLAYS = ((4, False), (1, False), (4, True), (1, True))
 # (block, gap, replays): the critical lists tried. Beside both blocks with their
-# collision-free gaps, two with a longer gap before the input gradients: their blocks
+# collision-free gaps, three with a longer gap before the input gradients: their blocks
 # of consecutive micro-batches collide, and the replay resolves that, with fewer idle
-# units at larger P (V-Half at odd P, V-Min at P >= 8; found by trying gaps 0-5 and
-# windows 1, 2, 4 at P in 4..16, M in {2P, 4P}).
+# units at larger P (V-Half at odd P, V-Min at P >= 8; found by trying gaps 0-8 and
+# windows 1-6 at P in 4..16, M in {2P, 4P}). With them every P in 4..16 reaches
+# ``v_idle_bound``.
 SPINES: tuple[tuple[Variant, int | None, tuple[tuple[int, bool], ...]], ...] = (
     ("v-half", None, REPLAYS),
     ("v-min", None, REPLAYS),
     ("v-half", 5, ((2, False),)),
     ("v-min", 4, ((2, False),)),
+    ("v-min", 6, ((6, False),)),
 )
 
 
