@@ -2,6 +2,7 @@
 
 from partitioners.balance import balance, uniform
 from partitioners.cost import LayerCost, LossCost, Profile
+from partitioners.errors import MemoryLimitError
 from partitioners.memory import held_microbatches, stage_memory
 from partitioners.plan import Candidate, Plan, plan
 from partitioners.plan_model import plan_for_model
@@ -14,6 +15,7 @@ __all__ = [
     "plan_for_model",
     "LayerCost",
     "LossCost",
+    "MemoryLimitError",
     "Profile",
     "balance",
     "held_microbatches",

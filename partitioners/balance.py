@@ -12,6 +12,7 @@ from typing import Literal, cast
 from partitioners.cost import LayerCost, Profile
 from partitioners.feasibility import Problem
 from partitioners.memory import held_microbatches, memory_cap, stage_memory
+from partitioners.errors import MemoryLimitError
 from partitioners.minmax import NoCutFits, smallest_memory_cap, solve
 from partitioners.units import format_bytes
 from schedules import Schedule
@@ -69,8 +70,9 @@ def balance(
         ValueError: ``stages`` outside ``1..len(costs)``, no costs, a negative or
             non-finite cost or ``last_stage_extra``, an unknown ``by``, options
             that need LayerCost given plain numbers, a ``last_stage_extra`` with a
-            ``by`` other than ``"time"``, or a memory limit no cut meets (the
-            message says the smallest that would).
+            ``by`` other than ``"time"``.
+        MemoryLimitError: a memory limit no cut meets (a ValueError; its
+            ``smallest_limit`` and message give the smallest that would).
     """
     layers = len(costs)
     check_stages(layers, stages)
@@ -105,11 +107,11 @@ def balance(
         return solve(Problem(prefix, stages, send_scaled, cap))
     except NoCutFits:
         smallest = _smallest_limit(Problem(prefix, stages, memory=cap), scale)
-        raise ValueError(
+        raise MemoryLimitError(
             f"no cut of {layers} layers into {stages} stages fits memory_limit="
             f"{format_bytes(memory_limit, exact=True)} per stage under "
             f"{_schedule_name(schedule)} with {_held_text(held)}; the smallest limit "
-            f"that fits is {format_bytes(smallest, exact=True)}"
+            f"that fits is {format_bytes(smallest, exact=True)}", smallest
         ) from None
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from partitioners.errors import MemoryLimitError
 from partitioners.plan_costs import (
     Hop,
     candidate_costs,
@@ -180,8 +181,10 @@ def plan(
         The Plan.
 
     Raises:
-        ValueError: bad arguments, or a memory limit no candidate fits; the message
-            names the smallest limit that would fit and the plan that fits it.
+        ValueError: bad arguments.
+        MemoryLimitError: a memory limit no candidate fits (a ValueError); its
+            ``smallest_limit`` and message give the smallest limit that would fit,
+            the message also the plan that fits it.
     """
     _check_counts(stages, batch)
     if not (isinstance(action_overhead, (int, float)) and 0 <= action_overhead < math.inf):
@@ -199,10 +202,10 @@ def plan(
     pick = ranked[0]
     if not pick.fits:
         smallest = min(ranked, key=lambda c: (max(c.peak_memory), _rank(c)))
-        raise ValueError(
+        raise MemoryLimitError(
             f"no plan fits memory_limit={_bytes(memory_limit or 0)} per stage (of {len(ranked)} "
             f"candidates); the smallest limit that fits is {_bytes(max(smallest.peak_memory))}, "
-            f"with {smallest.describe()}")
+            f"with {smallest.describe()}", math.ceil(max(smallest.peak_memory)))
     fields = {name: getattr(pick, name) for name in Candidate.__dataclass_fields__}
     return Plan(**fields, candidates=ranked, memory_limit=search.limit)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import random
 import re
 import time
@@ -16,6 +17,7 @@ from balance_brute import best_top_two, cuts, stage_costs, top_two
 from partitioners import (
     LayerCost,
     LossCost,
+    MemoryLimitError,
     Profile,
     balance,
     held_microbatches,
@@ -171,12 +173,14 @@ def test_memory_limit_matches_brute_force(ties: bool) -> None:
 def test_memory_error_names_the_smallest_limit_that_fits() -> None:
     costs = [LayerCost(1.0, 1.0, param_bytes=100, saved_bytes=10) for _ in range(4)]
     # 1F1B over 2 stages with 4 micro-batches holds 2 on stage 0 and 1 on stage 1.
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(MemoryLimitError) as caught:
         balance(costs, 2, memory_limit=300, schedule="1f1b", microbatches=4)
     message = str(caught.value)
     assert "\n" not in message
     smallest = int(re.search(r"smallest limit that fits is (\d+) B", message).group(1))
     assert smallest == 2 * 200 + 2 * 20  # [2, 2]: stage 0 holds 2 micro-batches of 20 bytes
+    assert caught.value.smallest_limit == smallest
+    assert pickle.loads(pickle.dumps(caught.value)).smallest_limit == smallest
     assert balance(costs, 2, memory_limit=smallest, microbatches=4) == [2, 2]
     with pytest.raises(ValueError):
         balance(costs, 2, memory_limit=smallest - 1, microbatches=4)

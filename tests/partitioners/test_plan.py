@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from partitioners import LayerCost, LossCost, Profile
+from partitioners import LayerCost, LossCost, MemoryLimitError, Profile
 from partitioners.plan import Candidate, Plan, plan
 from partitioners.plan_costs import (
     candidate_costs,
@@ -120,10 +120,10 @@ def test_an_impossible_limit_names_the_smallest_that_fits(case: tuple[Costs, int
     smallest = min(peak for _, peak, _ in brute_force(costs, stages, batch, 0.0))
     if smallest < 1:
         return  # nothing is held: every limit fits
-    with pytest.raises(ValueError, match="the smallest limit that fits is") as error:
+    with pytest.raises(MemoryLimitError, match="the smallest limit that fits is") as error:
         plan(costs, stages, batch, memory_limit=smallest - 0.5)
     named = int(re.search(r"\((\d+) bytes\)", str(error.value)).group(1))
-    assert named == math.ceil(smallest)
+    assert named == math.ceil(smallest) == error.value.smallest_limit
     fitted = plan(costs, stages, batch, memory_limit=named)
     assert max(fitted.peak_memory) <= named
 
