@@ -40,7 +40,7 @@ from torch import nn
 from bench_vs_torch import TorchStage
 from examples.gpt import gpt, lm_loss
 from examples.models import uneven_mlp
-from partitioners import Plan, Profile, plan, profile
+from partitioners import MemoryLimitError, Plan, Profile, plan, profile
 from pipeline import Pipe
 from pipeline.calibration import action_overhead, calibrate_group
 from pipeline.coordination import on_rank_zero
@@ -54,6 +54,7 @@ TORCH_SCHEDULES = ("gpipe", "1f1b")
 LIMIT_SHARE = 0.8  # the memory limit: this share of 1F1B's measured peak at M=8
 REFERENCE_M = 8  # the memory case's 1F1B
 JUST_BELOW = 0.99  # the limit's share of 1F1B's peak where no plan is predicted below it
+HEADROOM = 0.01  # a leanest plan less far below 1F1B's peak counts as none below it
 PEAK_STEPS = 2  # steps of each memory_report run (the worst counts)
 
 Span = tuple[float, float]  # one step on one rank: (start, end), time.perf_counter seconds
@@ -236,12 +237,13 @@ class Grid:
     """Rank 0's plans from one profile of the model, on every rank."""
 
     plan: Plan  # every schedule x M in COUNTS, without and with full recomputation, unpruned
-    leanest: float  # the smallest largest-stage peak of the auto Pipe's plans cut by time
+    leanest: float  # the smallest limit the auto Pipe's space can meet (any cut, recomputation)
 
 
 def grid_plan(workload: Workload, hop: Link) -> Grid:
     """Rank 0 profiles the model and plans the grid, and the auto Pipe's space (its Ms, every
-    checkpoint mode) unpruned for its leanest candidate; every rank gets both."""
+    checkpoint mode, cuts by time and under memory) for the smallest limit it can meet;
+    every rank gets both."""
 
     def make() -> Grid:
         costs = profiled_costs(workload)
@@ -249,8 +251,11 @@ def grid_plan(workload: Workload, hop: Link) -> Grid:
                                    "action_overhead": action_overhead(torch.device("cpu"))}
         grid = plan(costs, STAGES, workload.rows, microbatch_counts=COUNTS,
                     checkpoints=["never", "always"], **options)
-        space = plan(costs, STAGES, workload.rows, **options)
-        return Grid(grid, min(max(c.peak_memory) for c in space.candidates))
+        try:  # a limit nothing meets: the planner names the least it can meet
+            plan(costs, STAGES, workload.rows, memory_limit=1, **options)
+        except MemoryLimitError as error:
+            return Grid(grid, float(error.smallest_limit))
+        raise AssertionError("a plan fitted in one byte per stage")
 
     return on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")  # type: ignore[no-any-return]
 
@@ -332,15 +337,18 @@ def measured_peak(workload: Workload, options: dict[str, Any]) -> tuple[float, .
 
 def choose_limit(never_peak: Sequence[float], leanest: float) -> tuple[float, str]:
     """LIMIT_SHARE of 1F1B's measured peak; where no plan is predicted to fit that, midway
-    between it and the leanest plan's predicted peak; where none is predicted below it, just
-    below it (the planner then says what the smallest limit it can meet is)."""
+    between it and the leanest plan's predicted peak; where none is predicted more than
+    HEADROOM below it (a midway limit would then sit within the memory model's error of
+    1F1B's own peak, and fit or not by bytes), just below it: the planner then says what
+    the smallest limit it can meet is."""
     top = max(never_peak)
     if LIMIT_SHARE * top >= leanest:
         return LIMIT_SHARE * top, f"{LIMIT_SHARE:.0%} of it"
-    lean = f"the leanest plan cut by time is predicted at {leanest / 2**20:.2f} MiB"
-    if leanest < top:
+    lean = f"the leanest plan is predicted at {leanest / 2**20:.2f} MiB"
+    if leanest < (1 - HEADROOM) * top:
         return (leanest + top) / 2, f"midway to the leanest plan: {lean}"
-    return JUST_BELOW * top, f"{JUST_BELOW:.0%} of it: {lean}, none below 1F1B's peak"
+    return JUST_BELOW * top, (f"{JUST_BELOW:.0%} of it: {lean}, none {HEADROOM:.0%} below "
+                              f"1F1B's peak")
 
 
 def memory_case(workload: Workload, grid: Grid, steps: int) -> MemoryCase | None:
