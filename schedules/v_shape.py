@@ -36,7 +36,8 @@ memory cap, the variant's bound below, which squeezes the warm-up and cool-down:
 
 A few such replays (both blocks as the critical list, each also with a longer
 gap, with and without overtaking, with and without the room; ``SPINES``) are tried
-and the shortest kept; the result depends on the counts only. Stages hold at most
+and the shortest kept, the search stopping at the first that meets the lower bound
+below (none can be shorter); the result depends on the counts only. Stages hold at most
 the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 ``ceil((P+4)/3)`` full-stage micro-batches per stage, V-Half ``ceil((P+2)/2)``;
 1F1B holds P.
@@ -158,6 +159,8 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
     check_counts(stages, microbatches)
     placement = tuple(min(chunk, 2 * stages - 1 - chunk) for chunk in range(2 * stages))
     cap = 2 * v_memory_cap(variant, stages)  # in half-size chunk activations
+    # Where the bound holds (M >= P), a replay that meets it ends the search: none is shorter.
+    shortest = 6 * microbatches + v_idle_bound(variant, stages) if microbatches >= stages else 0
     best: tuple[int, tuple[tuple[Action, ...], ...]] | None = None
     for spine, gap, replays in SPINES:
         critical = Schedule(
@@ -174,6 +177,8 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
                 continue  # only the replays without room can stall
             if best is None or steps < best[0]:
                 best = (steps, order)
+            if best[0] <= shortest:
+                return Schedule(stages, microbatches, best[1], placement, name=variant)
     assert best is not None  # the replays with room never stall
     return Schedule(stages, microbatches, best[1], placement, name=variant)
 
