@@ -202,10 +202,11 @@ def plan(
     pick = ranked[0]
     if not pick.fits:
         smallest = min(ranked, key=lambda c: (max(c.peak_memory), _rank(c)))
+        least = max(smallest.peak_memory)
         raise MemoryLimitError(
             f"no plan fits memory_limit={_bytes(memory_limit or 0)} per stage (of {len(ranked)} "
-            f"candidates); the smallest limit that fits is {_bytes(max(smallest.peak_memory))}, "
-            f"with {smallest.describe()}", math.ceil(max(smallest.peak_memory)))
+            f"candidates); the smallest limit that fits is {_bytes(least)}, "
+            f"with {smallest.describe()}", math.ceil(least))
     fields = {name: getattr(pick, name) for name in Candidate.__dataclass_fields__}
     return Plan(**fields, candidates=ranked, memory_limit=search.limit)
 

@@ -37,28 +37,30 @@ memory cap, the variant's bound below, which squeezes the warm-up and cool-down:
 A few such replays (both blocks as the critical list, each also with a longer
 gap, with and without overtaking, with and without the room; ``SPINES``) are tried
 and the shortest kept, the search stopping at the first that meets the lower bound
-below (none can be shorter); the result depends on the counts only. Stages hold at most
-the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
+below (none can be shorter); the result depends on the counts only. Stages hold at
+most the cap by construction (checked by the tests for P <= 16, M <= 4P): V-Min
 ``ceil((P+4)/3)`` full-stage micro-batches per stage, V-Half ``ceil((P+2)/2)``;
 1F1B holds P.
 
 With F = I = W (one unit per chunk action) no schedule with the V placement and a cap
 of c chunk activations per stage can idle less than max(0, 3P-1-c) + max(0, 3P-2c)
-units per stage for M >= P (``v_idle_bound``). Every stage does 6M units, so each idles the makespan E less
-6M, and the last stage, which holds chunks P-1 and P, shows it:
+units per stage for M >= P (``v_idle_bound``). Every stage does 6M units, so each
+idles the makespan E less 6M, and the last stage, which holds chunks P-1 and P,
+shows it:
 
 - warm-up: its first input gradient starts at 3P-1 at the earliest (micro-batch 0's
   forwards to chunk 2P-1 and input gradients back to chunk P). No W can come before an
   I, so until then it runs forwards only, at most c of them: it idles 3P-1-c there.
 - drain: a forward of chunk P that starts at t is followed by a chain of 3P actions
   (the forwards up, the input gradients back to chunk 0, its W), so every one starts
-  before E-3P (and chunk P-1's before it). The last 3P units run only I and W of activations
-  held at E-3P, at most c of them, two actions each: it idles 3P-2c there.
+  before E-3P (and chunk P-1's before it). The last 3P units run only I and W of
+  activations held at E-3P, at most c of them, two actions each: it idles 3P-2c there.
 
 With V-Half's cap (c = P+2 for even P, P+3 for odd) that is 3P-7 or 3P-10 units (6 at
 P = 5); the replays reach it at every P in 4..16 and every M >= 2P tried: optimal.
-V-Min's cap gives 5 to 53 units for P in 4..16, also reached everywhere. Against 1F1B's 6(P-1): 0.28-0.46x (V-Half) and 0.28-0.60x (V-Min) of its bubble
-time. As a fraction of the step, which also counts 1F1B's longer step, the same bound
+V-Min's cap gives 5 to 53 units for P in 4..16, also reached everywhere. Against
+1F1B's 6(P-1): 0.28-0.46x (V-Half) and 0.28-0.60x (V-Min) of its bubble time. As a
+fraction of the step, which also counts 1F1B's longer step, the same bound
 puts V-Half above 0.5x 1F1B's at M = 2P for even P >= 10 and P = 15, and at M = 4P for
 P = 14 and 16 (0.50-0.55x): there no schedule within V-Half's memory bar does better.
 """
@@ -67,6 +69,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Literal
 
@@ -158,10 +161,22 @@ def v_idle_bound(variant: Variant, stages: int) -> int:
 def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
     check_counts(stages, microbatches)
     placement = tuple(min(chunk, 2 * stages - 1 - chunk) for chunk in range(2 * stages))
-    cap = 2 * v_memory_cap(variant, stages)  # in half-size chunk activations
     # Where the bound holds (M >= P), a replay that meets it ends the search: none is shorter.
     shortest = 6 * microbatches + v_idle_bound(variant, stages) if microbatches >= stages else 0
     best: tuple[int, tuple[tuple[Action, ...], ...]] | None = None
+    for steps, order in _replays(variant, stages, microbatches, placement):
+        if best is None or steps < best[0]:
+            best = (steps, order)
+        if best[0] <= shortest:
+            break
+    assert best is not None  # the replays with room never stall
+    return Schedule(stages, microbatches, best[1], placement, name=variant)
+
+
+def _replays(variant: Variant, stages: int, microbatches: int, placement: tuple[int, ...]
+             ) -> Iterator[tuple[int, tuple[tuple[Action, ...], ...]]]:
+    """Each replay of ``SPINES`` that does not stall: its unit steps and stage orders."""
+    cap = 2 * v_memory_cap(variant, stages)  # in half-size chunk activations
     for spine, gap, replays in SPINES:
         critical = Schedule(
             stages,
@@ -172,15 +187,9 @@ def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
         )
         for window, room in replays:
             try:
-                steps, order = _CappedReplay(critical, cap, window, room).run()
+                yield _CappedReplay(critical, cap, window, room).run()
             except _Stalled:
                 continue  # only the replays without room can stall
-            if best is None or steps < best[0]:
-                best = (steps, order)
-            if best[0] <= shortest:
-                return Schedule(stages, microbatches, best[1], placement, name=variant)
-    assert best is not None  # the replays with room never stall
-    return Schedule(stages, microbatches, best[1], placement, name=variant)
 
 
 # (window, room): how many list actions a stage looks at, and whether a forward on
