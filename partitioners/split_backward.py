@@ -1,0 +1,164 @@
+"""The split backward: I computes input gradients only, W weight gradients only.
+
+``backward_input`` reads the graph (``partitioners.autograd_graph``), hooks every
+junction (a node on the input chain with edges to the weight side), and runs
+one engine call for the input gradients: the engine then computes nothing on
+the weight side, and each junction records the gradient that entered it (and
+the exits' gradients where the node computed them anyway, as a custom
+``autograd.Function`` or a compiled region does, so that W never runs such a
+node twice). It returns the input gradients and a ``WeightGradients``.
+
+``WeightGradients.run`` (W) turns each junction's captured gradient into its
+exits' gradients (``partitioners.weight_rules`` from the saved tensors, or one
+engine call seeded at the junction and stopped at its exits), then runs the
+weight side once, from all exits together, through the engine's own
+accumulation: each parameter's ``AccumulateGrad`` runs once per W, so
+gradients accumulate as in a plain backward and post-accumulate hooks fire.
+No input-side gradient is computed twice, and every parameter reachable from
+the roots gets its gradient, whether or not its path meets an input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.variable import Variable
+
+from partitioners.autograd_graph import Exit, Junction, Slot, split_graph
+from partitioners.weight_rules import Deferred, prepare
+
+Grads = tuple[torch.Tensor | None, ...]
+
+
+def _engine(
+    outputs: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor],
+    keep_graph: bool,
+    inputs: Sequence[torch.Tensor | GradientEdge] = (),
+    accumulate: bool = False,
+) -> Grads:
+    # The engine itself, as torch.autograd.grad/backward call it, without their Python
+    # checks: gradients of a broadcast input are reduced to its shape by the engine, and
+    # a W is several calls, each of which would pay those checks again.
+    found = Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+        tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
+    )
+    return () if found is None else tuple(found)
+
+
+@dataclass
+class _Capture:
+    """What one junction leaves for W: a rule prepared before I, what entered it during I."""
+
+    junction: Junction
+    deferred: Deferred | None  # the junction's rule, its saved tensors taken
+    entered: Grads | None = None  # the gradients that entered the node in I
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)  # exits the node computed itself
+
+    def __call__(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
+        self.entered = grad_outputs
+        for exit in self.junction.exits:
+            grad = grad_inputs[exit.index]
+            if grad is not None:
+                self.sent[exit.index] = grad
+
+    def exit_grads(self) -> list[tuple[Slot, torch.Tensor]]:
+        """The gradients along the exits: computed in I, by the rule, or by the engine."""
+        if self.entered is None:
+            return []  # no gradient reached the junction
+        exits = self.junction.exits
+        found = [(exit.slot, self.sent[exit.index]) for exit in exits if exit.index in self.sent]
+        missing = [exit for exit in exits if exit.index not in self.sent]
+        if not missing:
+            return found
+        if self.deferred is None:
+            return found + _through_engine(self.junction, self.entered, missing)
+        grad = self.entered[0]
+        if grad is None:
+            return found
+        with torch.no_grad():
+            computed = self.deferred(grad)
+        return found + [(exit.slot, computed[exit.index]) for exit in missing if exit.index in computed]
+
+
+@dataclass
+class WeightGradients:
+    """What I leaves for W: the weight-side seeds known so far and the captured junctions."""
+
+    seeds: list[tuple[Slot, torch.Tensor]]
+    captures: list[_Capture]
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into ``.grad`` (W); the graph is freed as it goes."""
+        seeds = list(self.seeds)
+        for capture in self.captures:
+            seeds.extend(capture.exit_grads())
+        self.seeds, self.captures = [], []
+        if seeds:
+            _engine([GradientEdge(*slot) for slot, _ in seeds], [g for _, g in seeds],
+                    keep_graph=False, accumulate=True)
+
+
+def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tuple[Slot, torch.Tensor]]:
+    """Run the junction alone in the engine, its input-chain outputs cut, its exits captured."""
+    exits = {exit.index for exit in junction.exits}
+
+    def cut_chain(grad_inputs: Grads, grad_outputs: Grads) -> Grads:
+        # Where a parameter is used both here and further down the chain, the engine
+        # would also run the chain below this node; what it sends there is not W's.
+        return tuple(g if index in exits else None for index, g in enumerate(grad_inputs))
+
+    slots = list(dict.fromkeys(exit.slot for exit in missing))
+    fed = [(index, g) for index, g in enumerate(entered) if g is not None]
+    handle = junction.node.register_hook(cut_chain)
+    try:
+        found = _engine([GradientEdge(junction.node, index) for index, _ in fed], [g for _, g in fed],
+                        keep_graph=True, inputs=[GradientEdge(*slot) for slot in slots])
+    finally:
+        handle.remove()
+    return [(slot, grad) for slot, grad in zip(slots, found) if grad is not None]
+
+
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    root_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> tuple[Grads, WeightGradients]:
+    """I: the gradients of ``roots`` with respect to ``inputs``, and what W needs.
+
+    Args:
+        roots: tensors to differentiate (each requires grad).
+        root_grads: the gradient for each root; None means ones (a scalar loss).
+        inputs: the tensors whose gradients I returns (each requires grad).
+
+    Returns:
+        One gradient per input (None where no path reaches it) and the pending
+        weight gradients; the graph is kept until they run.
+    """
+    grads = [torch.ones_like(root) if g is None else g for root, g in zip(roots, root_grads)]
+    root_edges = [get_gradient_edge(root) for root in roots]
+    input_edges = [get_gradient_edge(leaf) for leaf in inputs]
+    split = split_graph([edge.node for edge in root_edges], [edge.node for edge in input_edges])
+    seeds = [((edge.node, edge.output_nr), g)
+             for edge, g, on_chain in zip(root_edges, grads, split.on_chain) if not on_chain]
+    chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]
+    if not chain:
+        return (None,) * len(inputs), WeightGradients(seeds, [])
+    captures = [
+        _Capture(junction, prepare(junction.node, frozenset(exit.index for exit in junction.exits)))
+        for junction in split.junctions
+    ]
+    # Where every junction has its rule, W reads only what the rules took: the engine
+    # may free each node's saved tensors as I passes it.
+    keep_graph = any(capture.deferred is None for capture in captures)
+    handles = [capture.junction.node.register_hook(capture) for capture in captures]
+    try:
+        found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,
+                        inputs=input_edges)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found, WeightGradients(seeds, captures)

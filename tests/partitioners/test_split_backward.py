@@ -1,0 +1,266 @@
+"""The split backward (I then W) against one plain backward, on the layers real models use.
+
+Every case compares, in float64, the input gradients I returns and the ``.grad``
+W leaves with those of ``torch.autograd.backward`` on a copy of the module; the
+counting cases check that W runs no input-side work and fires hooks once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from partitioners.split_backward import backward_input
+
+torch.set_default_dtype(torch.float64)
+
+
+def _outputs(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in value if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _compare(module, make_input, grad_input=True, loss=None, seed=0, accumulate=False):
+    torch.manual_seed(seed)
+    reference = copy.deepcopy(module)
+    x = make_input()
+    if accumulate:
+        for parameters in (module.parameters(), reference.parameters()):
+            for p in parameters:
+                if p.requires_grad:
+                    p.grad = torch.ones_like(p)
+
+    def run(model):
+        leaf = x.detach().clone().requires_grad_(grad_input)
+        torch.manual_seed(seed + 1)
+        outs = _outputs(model(leaf))
+        if loss is not None:
+            outs = [loss(*outs)]
+        torch.manual_seed(seed + 2)
+        grads = [None if t.dim() == 0 else torch.randn_like(t) for t in outs]
+        return leaf, outs, grads
+
+    leaf, outs, grads = run(reference)
+    torch.autograd.backward(outs, [torch.ones_like(t) if g is None else g for t, g in zip(outs, grads)])
+    expected_input = leaf.grad
+    leaf, outs, grads = run(module)
+    found, weights = backward_input(outs, grads, [leaf] if grad_input else [])
+    if grad_input:
+        assert (found[0] is None and expected_input is None) or torch.allclose(found[0], expected_input, atol=1e-12)
+    weights.run()
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None, f"{name} got no gradient"
+            assert torch.allclose(p.grad, q.grad, atol=1e-12), f"{name}: {(p.grad - q.grad).abs().max()}"
+
+
+class Block(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels=8):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, 4, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+            nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+            nn.Conv2d(4, channels, 1, bias=False), nn.BatchNorm2d(channels),
+        )
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + x)
+
+
+def tokens():
+    return torch.randn(3, 5, 16)
+
+
+def test_linear_chain():
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)], nn.Tanh(), nn.Linear(16, 3))
+    _compare(model, lambda: torch.randn(7, 16))
+
+
+def test_transformer_blocks():
+    _compare(nn.Sequential(Block(), Block()), tokens)
+
+
+def test_resnet_bottleneck():
+    _compare(Bottleneck(), lambda: torch.randn(2, 8, 5, 5))
+
+
+def test_first_stage_input_without_grad_gets_all_in_w():
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    _compare(model, lambda: torch.randn(7, 16), grad_input=False)
+
+
+class Repeat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h, h
+
+
+class Derived(Repeat):
+    def forward(self, x):
+        h = self.linear(x)
+        return h, h.mean(1)
+
+
+@pytest.mark.parametrize("layer", [Repeat, Derived])
+def test_outputs_that_repeat_or_derive(layer):
+    _compare(layer(), lambda: torch.randn(7, 16))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_weight_tied_inside_a_chunk():
+    _compare(Tied(), lambda: torch.randn(7, 16))
+
+
+def test_one_block_at_several_positions():
+    block = Block()
+    _compare(nn.Sequential(block, nn.Linear(16, 16), block, block), tokens)
+
+
+class Scale(nn.Module):
+    """A parameter used directly at two places of the chain, through an op without a rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(16) + 1)
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.div(self.linear(torch.div(x, self.scale)), self.scale)
+
+
+def test_parameter_used_twice_through_the_engine():
+    _compare(Scale(), lambda: torch.randn(7, 16))
+
+
+class Positional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.position = nn.Parameter(torch.randn(5, 16))
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return x + self.position, self.bias * 3.0
+
+
+def test_parameters_whose_path_never_meets_the_input():
+    _compare(Positional(), tokens)
+
+
+class Temperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, logits):
+        return (logits * self.log_scale.exp()).logsumexp(1).mean()
+
+
+def test_loss_with_a_parameter():
+    loss = Temperature()
+    model = nn.ModuleDict({"layer": nn.Linear(16, 6), "loss": loss})
+    _compare(model, lambda: torch.randn(7, 16), loss=None) if False else None
+    wrapper = nn.Sequential(nn.Linear(16, 6))
+
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.loss = wrapper, loss
+
+        def forward(self, x):
+            return self.loss(self.body(x))
+
+    _compare(WithLoss(), lambda: torch.randn(7, 16))
+
+
+def test_parametrizations_and_frozen_parameters():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4))
+    parametrizations.weight_norm(model[0])
+    parametrizations.orthogonal(model[2])
+    model[3].weight.requires_grad_(False)
+    _compare(model, lambda: torch.randn(7, 16))
+
+
+def test_accumulates_into_existing_gradients():
+    _compare(nn.Sequential(Block()), tokens, accumulate=True)
+
+
+def test_complex_parameters():
+    model = nn.Sequential(nn.Linear(16, 16, dtype=torch.complex128), nn.Linear(16, 4, dtype=torch.complex128))
+    _compare(model, lambda: torch.randn(7, 16, dtype=torch.complex128))
+
+
+class Counted(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        Counted.calls += 1
+        x, weight = ctx.saved_tensors
+        return grad * weight, (grad * x).sum(0)
+
+
+class CustomLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16))
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(Counted.apply(x, self.weight))
+
+
+def test_custom_function_runs_its_backward_once():
+    Counted.calls = 0
+    _compare(CustomLayer(), lambda: torch.randn(7, 16))
+    assert Counted.calls == 2  # once for the reference backward, once for I + W
+
+
+def test_post_accumulate_hooks_fire_once_per_w():
+    model = Tied()
+    fired = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    x = torch.randn(7, 16, requires_grad=True)
+    out = model(x)
+    _, weights = backward_input([out], [torch.ones_like(out)], [x])
+    assert fired == []
+    weights.run()
+    assert sorted(fired) == sorted(name for name, _ in model.named_parameters())
