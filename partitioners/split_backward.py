@@ -80,7 +80,7 @@ class _Capture:
         if grad is None:
             return found
         with torch.no_grad():
-            computed = self.deferred(grad)
+            computed = self.deferred.compute(grad)
         return found + [(exit.slot, computed[exit.index]) for exit in missing if exit.index in computed]
 
 
@@ -100,6 +100,17 @@ class WeightGradients:
         if seeds:
             _engine([GradientEdge(*slot) for slot, _ in seeds], [g for _, g in seeds],
                     keep_graph=False, accumulate=True)
+
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors kept for W: captured gradients and the saved tensors rules read."""
+        tensors = [grad for _, grad in self.seeds]
+        for capture in self.captures:
+            tensors.extend(g for g in capture.entered or () if g is not None)
+            tensors.extend(capture.sent.values())
+            if capture.deferred is not None:
+                tensors.extend(capture.deferred.tensors)
+        return tensors
 
 
 def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tuple[Slot, torch.Tensor]]:

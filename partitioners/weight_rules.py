@@ -22,12 +22,28 @@ goes through the engine (``partitioners.split_backward``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.autograd.graph import Node
 
-Deferred = Callable[[torch.Tensor], dict[int, torch.Tensor]]
+Compute = Callable[[torch.Tensor], dict[int, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A junction's weight-side computation, waiting for the gradient I captures.
+
+    Attributes:
+        compute: gradient entering the node -> output index -> gradient.
+        tensors: the saved tensors ``compute`` reads (what W keeps alive).
+    """
+
+    compute: Compute
+    tensors: tuple[torch.Tensor, ...]
+
+
 Rule = Callable[[Any, frozenset[int]], Deferred]
 
 
@@ -35,9 +51,27 @@ def _scaled(tensor: torch.Tensor, factor: Any) -> torch.Tensor:
     return tensor if factor == 1 else tensor * factor
 
 
+def _present(*values: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(value for value in values if isinstance(value, torch.Tensor))
+
+
 def _strided(*tensors: torch.Tensor | None) -> None:
     if any(t is not None and t.layout != torch.strided for t in tensors):
         raise TypeError("not a strided tensor")
+
+
+def _column_major(node: Any) -> bool:
+    # Linear multiplies by ``weight.t()``: a column-major mat2. Its gradient is then
+    # computed transposed, as autograd does, so that it reaches the weight contiguous
+    # and accumulates without a copy.
+    strides, sizes = node._saved_mat2_sym_strides, node._saved_mat2_sym_sizes
+    return len(strides) == 2 and strides[0] == 1 and strides[1] == sizes[0]
+
+
+def _mat2_grad(mat1: torch.Tensor, grad: torch.Tensor, column_major: bool) -> torch.Tensor:
+    if column_major:
+        return grad.t().mm(mat1.conj()).t()
+    return mat1.t().conj().mm(grad)
 
 
 def _addmm(node: Any, wanted: frozenset[int]) -> Deferred:
@@ -45,6 +79,7 @@ def _addmm(node: Any, wanted: frozenset[int]) -> Deferred:
     alpha, beta = node._saved_alpha.conjugate(), node._saved_beta.conjugate()
     mat2 = node._saved_mat2 if 1 in wanted else None
     mat1 = node._saved_mat1 if 2 in wanted else None
+    column_major = _column_major(node)
     _strided(mat1, mat2)
 
     def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -54,15 +89,16 @@ def _addmm(node: Any, wanted: frozenset[int]) -> Deferred:
         if mat2 is not None:
             out[1] = _scaled(grad.mm(mat2.t().conj()), alpha)
         if mat1 is not None:
-            out[2] = _scaled(mat1.t().conj().mm(grad), alpha)
+            out[2] = _scaled(_mat2_grad(mat1, grad, column_major), alpha)
         return out
 
-    return compute
+    return Deferred(compute, _present(mat1, mat2))
 
 
 def _mm(node: Any, wanted: frozenset[int]) -> Deferred:
     mat2 = node._saved_mat2 if 0 in wanted else None
     self = node._saved_self if 1 in wanted else None
+    column_major = _column_major(node)
     _strided(mat2, self)
 
     def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -70,20 +106,22 @@ def _mm(node: Any, wanted: frozenset[int]) -> Deferred:
         if mat2 is not None:
             out[0] = grad.mm(mat2.t().conj())
         if self is not None:
-            out[1] = self.t().conj().mm(grad)
+            out[1] = _mat2_grad(self, grad, column_major)
         return out
 
-    return compute
+    return Deferred(compute, _present(mat2, self))
 
 
-def _masked_call(kernel: Callable[..., Any], arguments: tuple[Any, ...], wanted: frozenset[int]) -> Deferred:
+def _masked_call(
+    kernel: Callable[..., Any], arguments: tuple[Any, ...], wanted: frozenset[int]
+) -> Deferred:
     mask = [index in wanted for index in range(3)]
 
     def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
         results = kernel(grad, *arguments, mask)
         return {index: t for index, t in enumerate(results) if index in wanted and t is not None}
 
-    return compute
+    return Deferred(compute, _present(*arguments))
 
 
 def _layer_norm(node: Any, wanted: frozenset[int]) -> Deferred:
@@ -121,7 +159,7 @@ def _mul(node: Any, wanted: frozenset[int]) -> Deferred:
             out[1] = grad * self.conj()
         return out
 
-    return compute
+    return Deferred(compute, _present(other, self))
 
 
 def _add(sign: int) -> Rule:
@@ -136,7 +174,7 @@ def _add(sign: int) -> Rule:
                 out[1] = _scaled(grad, alpha)
             return out
 
-        return compute
+        return Deferred(compute, ())
 
     return rule
 

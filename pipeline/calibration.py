@@ -317,7 +317,7 @@ def action_overhead(device: torch.device, microbatches: int = 16, rounds: int = 
         for index in range(rounds + 1):
             endpoint = LocalTransport([device]).endpoint(0)
             endpoint.begin_step(plans.training, 0)
-            with step_of([chunk], schedule, False):
+            with step_of([chunk], schedule):
                 start = time.perf_counter()
                 result = run_stage(plan, {0: chunk}, endpoint, step_inputs)
                 wall = time.perf_counter() - start

@@ -50,7 +50,7 @@ def loop_seconds(work: Sequence[ChunkWork], window: float, microbatches: int) ->
         for chunk, inputs, target in work:
             stack.enter_context(untouched(chunk))
             runner = probe_runner(chunk, "never", tracked=False)
-            runner.begin_step(0, microbatches, False)
+            runner.begin_step(0, microbatches)
             runners.append((runner, inputs, target))
         _one_pass(runners, 1)  # warm
         devices = {runner.device for runner, _, _ in runners}

@@ -259,7 +259,7 @@ class DistRunner:
             weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
         )
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
-        with step_of(self.chunks.values(), schedule, bool(schedule.split_backward)):
+        with step_of(self.chunks.values(), schedule):
             result = self._run(self.training_plan, step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
         if self.tracker is not None:
@@ -359,7 +359,7 @@ class DistRunner:
         step_inputs = StepInputs(
             None if inputs is None else [to_device(x, self.device) for x in inputs], None, ()
         )
-        with step_of(self.chunks.values(), schedule, False), torch.no_grad():
+        with step_of(self.chunks.values(), schedule), torch.no_grad():
             result = self._run(self.forward_plan, step_inputs, infer=True)
         if self.stage != schedule.placement[-1]:
             return None

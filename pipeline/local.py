@@ -139,7 +139,7 @@ class LocalRunner:
             endpoint.begin_step(self.plans.training, stage)
             return run_stage(plans[stage], self._stage_chunks(stage), endpoint, step_inputs)
 
-        with step_of(self.chunks.values(), schedule, bool(schedule.split_backward)):
+        with step_of(self.chunks.values(), schedule):
             results = self._run_threads(work, caller)
         propagate_input_grads(step_inputs.inputs, results)
         losses = {m: loss for r in results for m, loss in r.losses.items()}
@@ -165,7 +165,7 @@ class LocalRunner:
             return run_stage(plans[stage], self._stage_chunks(stage), endpoint, step_inputs,
                              infer=True)
 
-        with step_of(self.chunks.values(), schedule, False):
+        with step_of(self.chunks.values(), schedule):
             results = self._run_threads(work, caller)
         outputs = {m: out for r in results for m, out in r.outputs.items()}
         return [outputs[m] for m in range(schedule.microbatches)]

@@ -88,8 +88,7 @@ def probe_chunk(
         inputs: the micro-batch the chunk receives, on its device.
         target: the micro-batch's target for the last chunk, else None.
         microbatches: micro-batches per step (the runtime's per-step bookkeeping).
-        split: whether the schedule splits backwards into I and W (the runtime
-            then keeps every layer's output in the forward).
+        split: whether the schedule splits backwards into I and W.
         recompute: also time the forward and backward of a recomputed micro-batch.
         warmup: untimed runs before the timed ones.
         repeat: timed runs; medians are kept.
@@ -100,21 +99,21 @@ def probe_chunk(
     """
     with untouched(chunk):
         counting = probe_runner(chunk, "never", tracked=True)
-        counting.begin_step(0, microbatches, split)
+        counting.begin_step(0, microbatches)
         output, saved = _saved_by_forward(counting, inputs, target)
-        counting.begin_step(0, microbatches, False)
+        counting.begin_step(0, microbatches)
         # Timed as the runtime runs: with the tracker's hooks only if the Pipe has them.
         tracked = chunk.tracker is not None
         graph = probe_runner(chunk, "never", tracked)
-        graph.begin_step(0, microbatches, split)
+        graph.begin_step(0, microbatches)
         plain = _time_runs(graph, inputs, target, split, warmup, repeat)
         again = plain
         if recompute:
             redo = probe_runner(chunk, "always", tracked)
-            redo.begin_step(0, microbatches, split)
+            redo.begin_step(0, microbatches)
             again = _time_runs(redo, inputs, target, split, warmup, repeat)
-            redo.begin_step(0, microbatches, False)
-        graph.begin_step(0, microbatches, False)
+            redo.begin_step(0, microbatches)
+        graph.begin_step(0, microbatches)
     costs = ChunkCosts(
         chunk=chunk.spec.index,
         forward=plain["F"],

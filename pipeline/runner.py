@@ -83,20 +83,20 @@ class Plans:
 
 
 @contextmanager
-def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule, split: bool) -> Iterator[None]:
+def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule) -> Iterator[None]:
     """Around one step: every chunk starts it with this step's seed, commits what the step
     deferred once it succeeded, and forgets everything the step kept, whatever happened."""
     chunks = list(chunks)
     seed = step_seed()
     for chunk in chunks:
-        chunk.begin_step(seed, schedule.microbatches, split)
+        chunk.begin_step(seed, schedule.microbatches)
     try:
         yield
         for chunk in chunks:
             chunk.end_step()
     finally:
         for chunk in chunks:
-            chunk.begin_step(0, schedule.microbatches, False)
+            chunk.begin_step(0, schedule.microbatches)
 
 
 def measured_timeline(schedule: Schedule, events: Sequence[Event], name: str) -> Timeline:

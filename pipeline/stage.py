@@ -21,12 +21,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from partitioners.split_backward import WeightGradients, backward_input
 from pipeline.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.checkpoint import CheckpointMode, layer_seed, recomputes, seeded
 from pipeline.loss import check_loss_value
@@ -49,8 +50,7 @@ class _Stash:
     weight: float = 1.0
     outputs: Flat | None = None
     loss: torch.Tensor | None = None
-    layer_outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
-    output_grads: list[Grads | None] = field(default_factory=list)
+    weights: WeightGradients | None = None  # what I left for W
 
 
 @dataclass(frozen=True)
@@ -104,19 +104,17 @@ class ChunkRunner:
         self._stash: dict[int, _Stash] = {}
         self._seed_base = 0
         self._microbatches = 1
-        self._split = False  # backwards split into I and W: keep every layer's outputs
         self._draws: list[bool | None] = [None] * len(layers)
         self._quiet = False
         self._mutates_input: bool | None = None
         self._norms = running_norms(layers)
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
-    def begin_step(self, seed_base: int, microbatches: int, split_backward: bool) -> None:
+    def begin_step(self, seed_base: int, microbatches: int) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""
         self._stash.clear()
         self._seed_base = seed_base
         self._microbatches = microbatches
-        self._split = split_backward
         self._draws = [None] * len(self.layers)
         self._quiet = False  # no layer of the chunk draws random numbers (known this step)
         self._mutates_input = None
@@ -148,21 +146,16 @@ class ChunkRunner:
         watched = [leaf for leaf in copies if isinstance(leaf, torch.Tensor)]
         return inputs.rebuild(copies), (watched if self._mutates_input is None else [])
 
-    def _run_layers(
-        self, microbatch: int, inputs: Flat, record: bool
-    ) -> tuple[Any, list[tuple[torch.Tensor, ...]]]:
+    def _run_layers(self, microbatch: int, inputs: Flat) -> Any:
         value, watched = self._layer_input(inputs)
-        recorded = []
         offset = 0
         try:
-            if self._quiet and not record:  # the common case: plain calls, nothing per layer
+            if self._quiet:  # the common case: plain calls, nothing per layer
                 for offset, layer in enumerate(self.layers):
                     value = layer(value)
             else:
                 for offset, layer in enumerate(self.layers):
                     value = self._run_layer(microbatch, offset, layer, value)
-                    if record:
-                        recorded.append(tuple(t for t in flatten(value).leaves if differentiable(t)))
                 self._quiet = not any(self._draws)
         except Exception as error:
             name = type(self.layers[offset]).__name__
@@ -172,7 +165,7 @@ class ChunkRunner:
             ) from error
         if watched:
             self._mutates_input = any(t._version for t in watched)
-        return value, recorded
+        return value
 
     def _run_layer(self, microbatch: int, offset: int, layer: nn.Module, value: Any) -> Any:
         draws = self._draws[offset]
@@ -195,11 +188,8 @@ class ChunkRunner:
         key = (microbatch, self.spec.index)
         recording = self.tracker.recording(key) if self.tracker else nullcontext()
         with recording, self._statistics(first):
-            outputs, layer_outputs = self._run_layers(
-                microbatch, stash.inputs, record=self._split
-            )
+            outputs = self._run_layers(microbatch, stash.inputs)
             stash.outputs = flatten(outputs)
-            stash.layer_outputs = layer_outputs
             if self.spec.is_last:
                 stash.loss = self._loss(microbatch, outputs, stash)
 
@@ -235,7 +225,7 @@ class ChunkRunner:
             for tensor in stash.inputs.tensors:
                 self.tracker.track((microbatch, self.spec.index), tensor)
         with torch.no_grad(), self._statistics(first=True):
-            outputs, _ = self._run_layers(microbatch, stash.inputs, record=False)
+            outputs = self._run_layers(microbatch, stash.inputs)
             if self.spec.is_last:
                 return self._loss(microbatch, outputs, stash).detach()
         return detach(outputs)
@@ -296,48 +286,33 @@ class ChunkRunner:
         return self._input_grads(stash, {id(t): t.grad for t in self._wanted_inputs(stash)})
 
     def backward_input(self, microbatch: int, grads: Grads | None) -> Grads:
-        """The I half of a split backward: input gradients now, weight gradients left for W."""
+        """The I half of a split backward: input gradients now, weight gradients left for W.
+
+        See ``partitioners.split_backward``: I runs only the input side of the graph
+        and keeps, at the nodes where parameters' paths leave it, what W needs.
+        """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
         wanted_inputs = self._wanted_inputs(stash)
-        boundaries = [
-            [t for t in layer_output if t.requires_grad] for layer_output in stash.layer_outputs[:-1]
-        ]
-        targets = wanted_inputs + [t for boundary in boundaries for t in boundary]
-        found: tuple[torch.Tensor | None, ...] = (None,) * len(targets)
-        if roots and targets:
-            found = self._autograd(
-                microbatch, "I", _grad_keeping_graph, roots, root_grads, targets
+        found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted_inputs)
+        if roots:
+            found, stash.weights = self._autograd(
+                microbatch, "I", backward_input, roots, root_grads or [None] * len(roots),
+                wanted_inputs,
             )
-        position = len(wanted_inputs)
-        stash.output_grads = []
-        for boundary in boundaries:
-            stash.output_grads.append(tuple(found[position : position + len(boundary)]))
-            position += len(boundary)
-        stash.output_grads.append(None if self.spec.is_last else _final_grads(stash, grads))
-        by_leaf = {id(t): g for t, g in zip(wanted_inputs, found)}
-        return self._input_grads(stash, by_leaf)
+        stash.outputs = stash.loss = None  # the graph lives on only where W needs it
+        if self.tracker is not None and stash.weights is not None:
+            for tensor in stash.weights.held():
+                self.tracker.track((microbatch, self.spec.index), tensor)
+        return self._input_grads(stash, {id(t): g for t, g in zip(wanted_inputs, found)})
 
     def backward_weight(self, microbatch: int) -> None:
-        """The W half of a split backward: accumulate each layer's weight gradients."""
+        """The W half of a split backward: weight gradients accumulate into ``.grad``."""
         stash = self._stash.pop(microbatch)
-        for offset, (layer, layer_output) in enumerate(zip(self.layers, stash.layer_outputs)):
-            parameters = [p for p in layer.parameters() if p.requires_grad]
-            if not parameters:
-                continue
-            if offset == len(self.layers) - 1 and self.spec.is_last:
-                roots, root_grads = [stash.loss], None
-            else:
-                outputs = [t for t in layer_output if t.requires_grad]
-                pairs = [
-                    (t, g) for t, g in zip(outputs, stash.output_grads[offset] or ()) if g is not None
-                ]
-                roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
-            if not roots:
-                continue
-            found = self._autograd(microbatch, "W", _grad_of, roots, root_grads, parameters)
-            with self.grad_lock if self.grad_lock is not None else nullcontext():
-                _accumulate(parameters, found)
+        if stash.weights is None:
+            return
+        with self.grad_lock if self.grad_lock is not None else nullcontext():
+            self._autograd(microbatch, "W", stash.weights.run)
 
     def _autograd(self, microbatch: int, op: str, function: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -355,39 +330,5 @@ class ChunkRunner:
         with ExitStack() as stack:
             if self.deferred is not None:
                 stack.enter_context(self.deferred.recording(record=True))
-            outputs, _ = self._run_layers(microbatch, flat, record=False)
+            outputs = self._run_layers(microbatch, flat)
         return outputs
-
-
-def _final_grads(stash: _Stash, grads: Grads | None) -> Grads:
-    """The received output gradients, aligned with the last layer's recorded outputs."""
-    assert stash.outputs is not None
-    pairs = zip(stash.outputs.differentiable, grads or ())
-    return tuple(g for t, g in pairs if t.requires_grad)
-
-
-def _accumulate(parameters: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
-    for parameter, grad in zip(parameters, grads):
-        if grad is None:
-            continue
-        if parameter.grad is None:
-            parameter.grad = grad.detach().clone()
-        else:
-            parameter.grad.add_(grad)
-
-
-def _grad_keeping_graph(
-    roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None, targets: list[torch.Tensor]
-) -> tuple[torch.Tensor | None, ...]:
-    return torch.autograd.grad(
-        roots, targets, root_grads, retain_graph=True, allow_unused=True
-    )
-
-
-def _grad_of(
-    roots: list[torch.Tensor],
-    root_grads: list[torch.Tensor] | None,
-    parameters: list[torch.Tensor],
-) -> tuple[torch.Tensor | None, ...]:
-    # Each layer's subgraph is walked once, so its saved tensors can be freed as we go.
-    return torch.autograd.grad(roots, parameters, root_grads, retain_graph=False, allow_unused=True)

@@ -16,7 +16,13 @@ from torch.nn.utils import parametrizations
 
 from partitioners.split_backward import backward_input
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def _outputs(value):

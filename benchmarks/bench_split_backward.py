@@ -1,0 +1,148 @@
+"""The split backward's price: a full backward B against I + W, ours and torch.distributed.pipelining's.
+
+Run from the repository root (one process, one thread; about a minute):
+
+    python benchmarks/bench_split_backward.py
+    python benchmarks/bench_split_backward.py --repeat 60 --stages gpt
+
+Three stages, each fed one micro-batch: (a) ``gpt``, two pre-LayerNorm blocks
+(``nn.MultiheadAttention``, MLP 128 -> 512 -> 128, residuals) on 4 x 64 tokens,
+the stage of the issue's table; (b) ``resnet``, two torchvision-style bottlenecks
+(1x1, 3x3, 1x1 convolutions with BatchNorm and in-place ReLU) on 8 x 256 x 14 x 14;
+(c) ``linear``, 8 x Linear(16) on 64 rows, where engine calls dominate. Each
+round runs, in turn, a forward then B (``torch.autograd.backward``); a forward
+then our I (``partitioners.split_backward.backward_input``) and W; a forward then
+torch's ``stage_backward_input`` and ``stage_backward_weight``. Forwards are not
+timed; the figures are medians over the rounds. The bars: (I + W) / B <= 1.10 on
+gpt and resnet, <= 1.5 on linear, and ours no slower than torch's on each. Exits 1
+when a bar is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.pipelining._backward import (  # noqa: E402
+    stage_backward_input,
+    stage_backward_weight,
+)
+
+from partitioners.split_backward import backward_input  # noqa: E402
+
+BARS = {"gpt": 1.10, "resnet": 1.10, "linear": 1.5}
+
+
+class Block(nn.Module):
+    """A pre-LayerNorm transformer block: attention and an MLP, each with a residual."""
+
+    def __init__(self, dim: int = 128, heads: int = 4) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class Bottleneck(nn.Module):
+    """torchvision's bottleneck: 1x1 down, 3x3, 1x1 up, BatchNorm after each, a residual."""
+
+    def __init__(self, channels: int = 256, width: int = 64) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True), nn.Conv2d(width, channels, 1, bias=False), nn.BatchNorm2d(channels),
+        )
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.body(x) + x)
+
+
+def make_stage(name: str) -> tuple[nn.Module, torch.Tensor]:
+    """The stage's layers and one micro-batch of its input."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        return nn.Sequential(Block(), Block()), torch.randn(4, 64, 128)
+    if name == "resnet":
+        return nn.Sequential(Bottleneck(), Bottleneck()), torch.randn(8, 256, 14, 14)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]), torch.randn(64, 16)
+
+
+def _timed(work: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def one_round(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """Seconds of B, our I and W, torch's I and W, each after a fresh forward."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    times = {}
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        leaf = x.detach().requires_grad_()
+        out = model(leaf)
+        return leaf, out, torch.ones_like(out)
+
+    leaf, out, grad = forward()
+    times["B"] = _timed(lambda: torch.autograd.backward([out], [grad]))
+    leaf, out, grad = forward()
+    pending: list[Any] = []
+    times["I"] = _timed(lambda: pending.append(backward_input([out], [grad], [leaf])[1]))
+    times["W"] = _timed(lambda: pending[0].run())
+    del pending[:]
+    leaf, out, grad = forward()
+    groups: list[Any] = []
+    times["torch I"] = _timed(lambda: groups.append(
+        stage_backward_input([out], [grad], [leaf], iter(parameters))[1]))
+    times["torch W"] = _timed(lambda: stage_backward_weight(iter(parameters), groups[0]))
+    for parameter in parameters:
+        parameter.grad = None
+    return times
+
+
+def measure(name: str, repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Medians over ``repeat`` rounds (after ``warmup``) for one stage."""
+    model, x = make_stage(name)
+    rounds = [one_round(model, x) for _ in range(warmup + repeat)][warmup:]
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=40)
+    parser.add_argument("--stages", nargs="+", default=list(BARS), choices=list(BARS))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"{'stage':8} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8} "
+          f"{'torch I':>8} {'torch W':>8} {'torch/B':>8}  bar")
+    missed = False
+    for name in args.stages:
+        t = measure(name, args.repeat)
+        ours = (t["I"] + t["W"]) / t["B"]
+        theirs = (t["torch I"] + t["torch W"]) / t["B"]
+        ok = ours <= BARS[name] and ours <= theirs
+        missed |= not ok
+        print(f"{name:8} {t['B'] * 1e3:8.3f} {t['I'] * 1e3:8.3f} {t['W'] * 1e3:8.3f} {ours:8.2f} "
+              f"{t['torch I'] * 1e3:8.3f} {t['torch W'] * 1e3:8.3f} {theirs:8.2f}  "
+              f"<= {BARS[name]:.2f} and <= torch's: {'ok' if ok else 'MISSED'}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
