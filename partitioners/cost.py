@@ -31,9 +31,16 @@ class LayerCost:
         backward_input: seconds of the input-gradient half of a split backward (I):
             the gradient with respect to the layer's input only, graph kept. 0 when
             the input needs no gradient (the first layer, for a sample without grad).
-        backward_weight: seconds of the weight-gradient half (W), run after I on the
-            graph I kept. 0 for a layer without parameters. ``I + W`` is usually
-            more than ``backward``: the graph is walked twice.
+        backward_weight: seconds of the weight-gradient half (W), from what I kept
+            (``partitioners.split_backward``). 0 for a layer without parameters.
+        weight_bytes: bytes the layer keeps from its I to its W (the saved tensors
+            its weight gradients read and the gradients I captured for them); None
+            where its whole graph stays until W (a node without a weight rule, or no
+            input gradient, as for a first layer whose input needs none).
+        kept_input_bytes: bytes of its input the layer saves itself (None: not
+            measured). A chunk keeps its input until its backward; where its first
+            layer does not save it (a ReLU after the cut), the chunk holds it on top
+            of the saved bytes.
         shared_input_bytes: the part of ``saved_bytes`` that is the layer's input which
             the layer before saves too, as its output (a Linear after a ReLU): in one
             chunk that tensor is kept once, so a chunk's saved bytes count it only
@@ -50,6 +57,8 @@ class LayerCost:
     backward_weight: float = 0.0
     shared_input_bytes: int = 0
     tied: tuple[tuple[int, int], ...] = ()
+    weight_bytes: int | None = None
+    kept_input_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_seconds("LayerCost", {
@@ -60,6 +69,11 @@ class LayerCost:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LayerCost.{field}: expected an int >= 0, got {value!r}")
+        for field in ("weight_bytes", "kept_input_bytes"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"LayerCost.{field}: expected an int >= 0 or None, got {value!r}")
         for entry in self.tied:
             if len(entry) != 2 or any(not isinstance(v, int) or isinstance(v, bool) or v < 0
                                       for v in entry):
@@ -146,6 +160,17 @@ def saved_bytes_of(layers: Sequence[LayerCost]) -> int:
     chunk: each layer's ``saved_bytes``, a tensor two neighbours both save counted once."""
     return sum(cost.saved_bytes for cost in layers) - sum(
         cost.shared_input_bytes for cost in layers[1:])
+
+
+def weight_bytes_of(layers: Sequence[LayerCost]) -> int:
+    """Bytes a chunk of these layers keeps per micro-batch from its I to its W.
+
+    I frees the graph as it goes only where every layer lets it; where one does not
+    (``weight_bytes`` None), the whole chunk's graph stays until W.
+    """
+    if any(cost.weight_bytes is None for cost in layers):
+        return saved_bytes_of(layers)
+    return sum(cost.weight_bytes or 0 for cost in layers)
 
 
 def check_ties(costs: Sequence[LayerCost]) -> None:

@@ -9,7 +9,9 @@ the ``Costs`` that simulator reads, and gives a lower bound on the makespan that
 Memory, per chunk: ``fixed_bytes`` is ``(2 + optimizer_factor) x`` its parameter
 bytes (the parameters, their gradients and the optimizer's state);
 ``activation_bytes`` is the ``saved_bytes`` of its layers (what a micro-batch's
-forward keeps for its backward); ``input_bytes`` is the activation it receives,
+forward keeps for its backward), plus its input where its first layer does not
+save it (the runtime keeps it until the backward all the same); ``weight_bytes``
+what stays from I to W (``weight_bytes_of``); ``input_bytes`` is the activation it receives,
 the output of the layer before it: what a recomputed micro-batch keeps, and the
 payload of its hops. The first chunk's input is the caller's batch, already in
 memory whatever the pipeline does, so it counts 0.
@@ -21,7 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from partitioners.cost import LayerCost, LossCost, Profile, check_ties, saved_bytes_of
+from partitioners.cost import (
+    LayerCost,
+    LossCost,
+    Profile,
+    check_ties,
+    saved_bytes_of,
+    weight_bytes_of,
+)
 from schedules import Costs, Link
 
 Hop = float | Link
@@ -37,6 +46,7 @@ class ChunkSums:
             measured without a split backward gets half its backward for each half.
         saved: bytes its forward keeps per micro-batch.
         params: its parameter bytes.
+        weight: bytes it keeps per micro-batch from its I to its W.
         inputs: bytes of the activation it receives (0 for the first chunk).
         ties: ``(chunk, earlier chunk, bytes)``: parameters a chunk uses that an earlier
             chunk holds (``LayerCost.tied``); a stage without that chunk holds a copy.
@@ -50,6 +60,7 @@ class ChunkSums:
     params: tuple[int, ...]
     inputs: tuple[int, ...]
     ties: tuple[tuple[int, int, int], ...] = ()
+    weight: tuple[int, ...] = ()
 
 
 def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
@@ -68,7 +79,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
                  for layer, cost in enumerate(costs) for origin, nbytes in cost.tied
                  if chunk_of[origin] != chunk_of[layer])
     fields: dict[str, list[float]] = {name: [] for name in ("F", "B", "I", "W")}
-    saved, params, inputs = [], [], []
+    saved, params, inputs, weight = [], [], [], []
     for first, end in zip(ends, ends[1:]):
         layers = costs[first:end]
         forward = sum(cost.forward for cost in layers)
@@ -77,17 +88,26 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         weight_grad = sum(cost.backward_weight for cost in layers)
         if input_grad + weight_grad == 0:  # measured without a split backward
             input_grad = weight_grad = backward / 2
+        elif first == 0 and costs[0].backward_input == 0:
+            # The model's input needs no gradient: the first chunk's I has nothing to
+            # compute, and its W is its whole backward.
+            input_grad, weight_grad = 0.0, backward
         for name, value in zip(fields, (forward, backward, input_grad, weight_grad)):
             fields[name].append(value + overhead)
-        saved.append(saved_bytes_of(layers))
+        received = costs[first - 1].activation_bytes if first else 0
+        kept = layers[0].kept_input_bytes
+        unsaved = 0 if kept is None else max(0, received - kept)
+        saved.append(saved_bytes_of(layers) + unsaved)
+        weight.append(weight_bytes_of(layers))
         params.append(sum(cost.param_bytes for cost in layers))
-        inputs.append(costs[first - 1].activation_bytes if first else 0)
+        inputs.append(received)
     if loss is not None:
         _charge_loss(fields, loss)
         saved[-1] += loss.saved_bytes
     return ChunkSums(
         *(tuple(values) for values in fields.values()),  # type: ignore[arg-type]
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
+        weight=tuple(weight),
     )
 
 
@@ -157,6 +177,7 @@ def candidate_costs(
         activation_bytes=sums.saved,
         input_bytes=sums.inputs,
         fixed_bytes=tuple((2 + optimizer_factor) * p for p in params),
+        weight_bytes=sums.weight or None,
     )
 
 

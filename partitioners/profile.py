@@ -24,7 +24,7 @@ from partitioners.tensors import (
     tensors_of,
     to_device,
 )
-from partitioners.timing import run_full, run_loss, run_split
+from partitioners.timing import held_for_weights, run_full, run_loss, run_split
 
 Sample = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -250,14 +250,18 @@ def _measure(
     activation_bytes = nbytes(output)
     shared = sum(nbytes(tensor) for tensor, before in zip(tensors_of(fresh), kept_before)
                  if before and counter.saved(tensor))
+    kept_input = sum(nbytes(tensor) for tensor in tensors_of(fresh) if counter.saved(tensor))
     kept_output = [counter.saved(tensor) for tensor in tensors_of(output)]
     del output, fresh
+    weight_bytes = held_for_weights(layer, inputs, grad_input, storage_pointers(layer))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
     for run in range(warmup + repeat):
         forward, backward, output = run_full(layer, inputs, grad_input, device)
         for parameter in layer.parameters():
             parameter.grad = None
         backward_input, backward_weight = run_split(layer, inputs, grad_input, device)
+        for parameter in layer.parameters():
+            parameter.grad = None
         if run >= warmup:
             for key, value in zip(times, (forward, backward, backward_input, backward_weight)):
                 times[key].append(value)
@@ -274,6 +278,8 @@ def _measure(
         backward_input=median["input"],
         backward_weight=median["weight"],
         shared_input_bytes=min(shared, counter.total),
+        weight_bytes=weight_bytes,
+        kept_input_bytes=kept_input,
     )
     return cost, detached(output), kept_output
 

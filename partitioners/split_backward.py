@@ -90,6 +90,12 @@ class WeightGradients:
 
     seeds: list[tuple[Slot, torch.Tensor]]
     captures: list[_Capture]
+    keeps_graph: bool = True  # False where I freed the graph as it went
+
+    @property
+    def empty(self) -> bool:
+        """Whether W has nothing to do (no parameter is reachable)."""
+        return not self.seeds and not self.captures
 
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (W); the graph is freed as it goes."""
@@ -172,4 +178,4 @@ def backward_input(
     finally:
         for handle in handles:
             handle.remove()
-    return found, WeightGradients(seeds, captures)
+    return found, WeightGradients(seeds, captures, keep_graph)

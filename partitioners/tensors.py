@@ -81,6 +81,12 @@ def storages_of(value: Any) -> set[int]:
     return {_storage_key(tensor)[0] for tensor in tensors_of(value)}
 
 
+def storage_bytes(tensors: list[torch.Tensor], exclude: set[int]) -> int:
+    """Bytes of the distinct storages of ``tensors``, those in ``exclude`` aside."""
+    sizes = dict(_storage_key(tensor) for tensor in tensors)
+    return sum(size for address, size in sizes.items() if address not in exclude)
+
+
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the memory ``tensor`` keeps alive."""
     try:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioners.tensors import fresh_inputs
+from partitioners.split_backward import backward_input
+from partitioners.tensors import fresh_inputs, storage_bytes
 
 
 def synchronize(device: torch.device) -> None:
@@ -62,27 +63,42 @@ def run_full(
 def run_split(
     module: nn.Module, inputs: Any, grad_input: bool, device: torch.device
 ) -> tuple[float, float]:
-    """A forward (untimed), then the split backward: (I seconds, W seconds).
+    """A forward (untimed), then the split backward as the runtime runs it: (I seconds, W seconds).
 
-    I is the gradient with respect to the module's input only, keeping the graph;
-    W is then the gradient with respect to its parameters, on that graph. Neither
-    touches ``.grad``. Either is 0 where there is nothing to differentiate.
+    I is ``partitioners.split_backward.backward_input`` (the input gradients, and
+    what W needs); W is its ``run`` (the weight gradients only, accumulated into
+    ``.grad``; the caller clears them). Either is 0 where there is nothing to do.
     """
     fresh, leaves = fresh_inputs(inputs, grad_input)
     roots, grads = _roots(module(fresh))
-    weights = [p for p in module.parameters() if p.requires_grad]
     if not roots:
         return 0.0, 0.0
-    backward_input = backward_weight = 0.0
-    if leaves:
-        backward_input, _ = _timed(device, lambda: torch.autograd.grad(
-            roots, leaves, grads, retain_graph=bool(weights), allow_unused=True
-        ))
-    if weights:
-        backward_weight, _ = _timed(device, lambda: torch.autograd.grad(
-            roots, weights, grads, allow_unused=True
-        ))
-    return backward_input, backward_weight
+    backward_input_seconds, (_, weights) = _timed(
+        device, lambda: backward_input(roots, list(grads), leaves))
+    if not leaves:
+        backward_input_seconds = 0.0  # nothing to differentiate: the whole backward is W's
+    if weights.empty:
+        return backward_input_seconds, 0.0
+    backward_weight_seconds, _ = _timed(device, weights.run)
+    return backward_input_seconds, backward_weight_seconds
+
+
+def held_for_weights(module: nn.Module, inputs: Any, grad_input: bool, exclude: set[int]) -> int | None:
+    """Bytes a forward then I leave alive for W, storages in ``exclude`` (parameters) aside.
+
+    Returns:
+        The bytes of the saved tensors W reads and the gradients I captured, or None
+        where the whole graph stays until W (a node without a weight rule, or no
+        input gradient to compute, as for a first layer whose input needs none).
+    """
+    fresh, leaves = fresh_inputs(inputs, grad_input)
+    roots, grads = _roots(module(fresh))
+    if not roots:
+        return 0
+    _, weights = backward_input(roots, list(grads), leaves)
+    if weights.keeps_graph:
+        return None
+    return storage_bytes(weights.held(), exclude)
 
 
 def run_loss(

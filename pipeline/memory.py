@@ -59,6 +59,11 @@ class ActivationTracker:
         with self._lock:
             return MemoryReport(round(self._peak_held, 9), self._peak_bytes)
 
+    def live_bytes(self) -> int:
+        """Bytes tracked and still alive now."""
+        with self._lock:
+            return self._bytes
+
     def reset_peaks(self) -> None:
         with self._lock:
             # Read once a step: moving a model to its device gives parameters new storage.

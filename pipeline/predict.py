@@ -192,6 +192,7 @@ def build_costs(
         activation_bytes=[float(measured[c].saved_bytes) for c in range(schedule.chunks)],
         input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
         fixed_bytes=fixed_per_chunk,
+        weight_bytes=[float(measured[c].weight_bytes) for c in range(schedule.chunks)],
     )
 
 

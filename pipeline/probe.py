@@ -48,6 +48,9 @@ class ChunkCosts:
             micro-batch, its re-run forward included.
         saved_bytes: bytes autograd keeps from one forward, as the runtime's tracker
             counts them.
+        weight_bytes: bytes still held between the split backward's I and W (the
+            saved tensors W reads and the gradients I captured); ``saved_bytes``
+            when the schedule does not split.
         input_bytes: bytes of the chunk's input (a hop's payload, and what a
             recomputed micro-batch keeps).
         output_bytes: bytes of what the chunk sends on (0 for the last chunk).
@@ -64,6 +67,7 @@ class ChunkCosts:
     saved_bytes: int
     input_bytes: int
     output_bytes: int
+    weight_bytes: int = 0
 
 
 def payload_bytes(payload: Any) -> int:
@@ -101,6 +105,7 @@ def probe_chunk(
         counting = probe_runner(chunk, "never", tracked=True)
         counting.begin_step(0, microbatches)
         output, saved = _saved_by_forward(counting, inputs, target)
+        kept_for_w = _kept_for_weights(counting, output) if split else saved
         counting.begin_step(0, microbatches)
         # Timed as the runtime runs: with the tracker's hooks only if the Pipe has them.
         tracked = chunk.tracker is not None
@@ -124,6 +129,7 @@ def probe_chunk(
         recompute_backward=again["B"],
         recompute_input_grad=again.get("I", 0.0),
         saved_bytes=saved,
+        weight_bytes=kept_for_w,
         input_bytes=payload_bytes(inputs),
         output_bytes=0 if chunk.spec.is_last else payload_bytes(output),
     )
@@ -149,6 +155,16 @@ def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any) -> tuple[An
     output = runner.forward(0, inputs, target, 1.0)
     saved = tracker.report().peak_bytes - before
     return output, saved
+
+
+def _kept_for_weights(runner: ChunkRunner, output: Any) -> int:
+    """After ``_saved_by_forward``: the bytes micro-batch 0 still holds once its I ran."""
+    tracker = runner.tracker
+    assert tracker is not None
+    runner.backward_input(0, ones_like_outputs(output, runner.spec.is_last))
+    held = tracker.live_bytes()
+    runner.backward_weight(0)
+    return held
 
 
 def ones_like_outputs(output: Any, is_last: bool) -> tuple[torch.Tensor, ...] | None:

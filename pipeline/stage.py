@@ -50,7 +50,6 @@ class _Stash:
     weight: float = 1.0
     outputs: Flat | None = None
     loss: torch.Tensor | None = None
-    weights: WeightGradients | None = None  # what I left for W
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,7 @@ class ChunkRunner:
         # chunk, whose stage may accumulate into the same ``.grad`` at the same moment.
         self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
+        self._weights: dict[int, WeightGradients] = {}  # what each micro-batch's I left for W
         self._seed_base = 0
         self._microbatches = 1
         self._draws: list[bool | None] = [None] * len(layers)
@@ -113,6 +113,7 @@ class ChunkRunner:
     def begin_step(self, seed_base: int, microbatches: int) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""
         self._stash.clear()
+        self._weights.clear()
         self._seed_base = seed_base
         self._microbatches = microbatches
         self._draws = [None] * len(self.layers)
@@ -214,16 +215,20 @@ class ChunkRunner:
         """
         stash = _Stash(inputs=self._leaves(inputs), target=detach(target), weight=weight)
         self._stash[microbatch] = stash
-        if not recomputes(self.options.checkpoint, microbatch, self._microbatches):
+        recomputed = recomputes(self.options.checkpoint, microbatch, self._microbatches)
+        if self.tracker is not None and (recomputed or not self.spec.is_first):
+            # The stash keeps the inputs until the backward, whether or not a layer saves
+            # them (a view a layer saves too is counted once); the first chunk's are the
+            # caller's batch, held anyway, unless a recomputation needs them.
+            for tensor in stash.inputs.tensors:
+                self.tracker.track((microbatch, self.spec.index), tensor)
+        if not recomputed:
             self._forward_with_graph(microbatch, stash, first=True)
             if self.spec.is_last:
                 assert stash.loss is not None
                 return stash.loss.detach()
             assert stash.outputs is not None
             return detach(stash.outputs.rebuild())
-        if self.tracker is not None:
-            for tensor in stash.inputs.tensors:
-                self.tracker.track((microbatch, self.spec.index), tensor)
         with torch.no_grad(), self._statistics(first=True):
             outputs = self._run_layers(microbatch, stash.inputs)
             if self.spec.is_last:
@@ -296,23 +301,25 @@ class ChunkRunner:
         wanted_inputs = self._wanted_inputs(stash)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted_inputs)
         if roots:
-            found, stash.weights = self._autograd(
+            found, weights = self._autograd(
                 microbatch, "I", backward_input, roots, root_grads or [None] * len(roots),
                 wanted_inputs,
             )
-        stash.outputs = stash.loss = None  # the graph lives on only where W needs it
-        if self.tracker is not None and stash.weights is not None:
-            for tensor in stash.weights.held():
-                self.tracker.track((microbatch, self.spec.index), tensor)
+            self._weights[microbatch] = weights
+            if self.tracker is not None:
+                for tensor in weights.held():
+                    self.tracker.track((microbatch, self.spec.index), tensor)
+        # The graph, the inputs and the outputs live on only where W needs them.
+        del self._stash[microbatch]
         return self._input_grads(stash, {id(t): g for t, g in zip(wanted_inputs, found)})
 
     def backward_weight(self, microbatch: int) -> None:
         """The W half of a split backward: weight gradients accumulate into ``.grad``."""
-        stash = self._stash.pop(microbatch)
-        if stash.weights is None:
+        weights = self._weights.pop(microbatch, None)
+        if weights is None:
             return
         with self.grad_lock if self.grad_lock is not None else nullcontext():
-            self._autograd(microbatch, "W", stash.weights.run)
+            self._autograd(microbatch, "W", weights.run)
 
     def _autograd(self, microbatch: int, op: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -15,7 +15,9 @@ Precedence, from the most specific:
 - a micro-batch's time, payload and bytes: the chunk's value times
   ``microbatch_scale[m]``;
 - a recomputed micro-batch (``recompute``): its ``B`` or ``I`` costs the
-  chunk's ``F`` more, and until that backward it holds only ``input_bytes``.
+  chunk's ``F`` more, and until that backward it holds only ``input_bytes``;
+- a split backward frees at the end of ``I`` all but ``weight_bytes`` (what ``W``
+  reads), which ``W`` frees; without ``weight_bytes``, everything stays until ``W``.
 
 >>> from schedules import one_f_one_b
 >>> costs = Costs(forward=1.0, input_grad=1.0, weight_grad=0.5, comm=0.25)
@@ -114,6 +116,10 @@ class Costs:
             (the activation into the chunk, the gradient back out of it).
         fixed_bytes: bytes a chunk holds throughout (parameters, gradients,
             optimizer state).
+        weight_bytes: bytes a chunk keeps per micro-batch from the end of its ``I``
+            to the end of its ``W`` (the saved tensors the weight gradients read and
+            the gradients ``I`` captured for them; these can make it more than
+            ``activation_bytes``); None: all of ``activation_bytes``.
     """
 
     forward: Value = 1.0
@@ -127,10 +133,11 @@ class Costs:
     activation_bytes: Value | None = None
     input_bytes: Value = 0.0
     fixed_bytes: Value = 0.0
+    weight_bytes: Value | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "input_grad", "weight_grad",
-                     "activation_bytes", "input_bytes", "fixed_bytes"):
+                     "activation_bytes", "input_bytes", "fixed_bytes", "weight_bytes"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, checked_value(name, value))
@@ -204,6 +211,8 @@ class ResolvedCosts:
         activation_bytes: per chunk, or None when there is no memory prediction.
         input_bytes: per chunk.
         fixed_bytes: per stage, the sum over its chunks.
+        weight_bytes: per chunk, what stays from ``I`` to ``W`` (None with no memory
+            prediction); ``activation_bytes`` where the costs gave none.
     """
 
     compute: tuple[dict[Op, float], ...]
@@ -213,6 +222,7 @@ class ResolvedCosts:
     activation_bytes: tuple[float, ...] | None
     input_bytes: tuple[float, ...]
     fixed_bytes: tuple[float, ...]
+    weight_bytes: tuple[float, ...] | None = None
 
     def duration(self, op: Op, microbatch: int, chunk: int) -> float:
         """The time of one action, recomputation and micro-batch scale included."""
@@ -256,15 +266,20 @@ def _resolve(costs: Costs, schedule: Schedule) -> ResolvedCosts:
     recomputed = _recomputed(costs.recompute, micro)
     payload = per_chunk("input_bytes", costs.input_bytes)
     fixed_chunk = per_chunk("fixed_bytes", costs.fixed_bytes)
+    saved = None if costs.activation_bytes is None else per_chunk(
+        "activation_bytes", costs.activation_bytes)
+    kept_for_w = saved
+    if saved is not None and costs.weight_bytes is not None:
+        kept_for_w = per_chunk("weight_bytes", costs.weight_bytes)
     return ResolvedCosts(
         compute=tuple(compute),
         scale=tuple(scale),
         recomputed=recomputed,
         hops=_hops(costs.comm, schedule, payload, tuple(scale)),
-        activation_bytes=None if costs.activation_bytes is None
-        else per_chunk("activation_bytes", costs.activation_bytes),
+        activation_bytes=saved,
         input_bytes=payload,
         fixed_bytes=tuple(sum(fixed_chunk[c] for c in owned) for owned in schedule.chunks_of_stage),
+        weight_bytes=kept_for_w,
     )
 
 

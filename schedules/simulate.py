@@ -173,9 +173,9 @@ def memory_traces(timeline: Timeline, table: ResolvedCosts) -> tuple[MemoryTrace
     the forward saves, its input included), or only its ``input_bytes`` when that
     micro-batch is recomputed: then from the start of its backward ``B`` or ``I``
     it holds ``max(activation_bytes, input_bytes)``. All of it is released at the
-    end of the chunk's last backward action for that micro-batch (``B``, or ``W``
-    when split). Bytes scale with the micro-batch; changes at one instant merge
-    into one step.
+    end of its ``B``; a split backward releases all but the chunk's ``weight_bytes``
+    at the end of ``I``, and those at the end of ``W``. Bytes scale with the
+    micro-batch; changes at one instant merge into one step.
 
     Args:
         timeline: the events to read.
@@ -200,6 +200,7 @@ def _memory_traces(
     per_stage: Sequence[Sequence[Event]], table: ResolvedCosts, origin: float = 0.0
 ) -> tuple[MemoryTrace, ...]:
     saved, kept = table.activation_bytes or (), table.input_bytes
+    for_weights = table.weight_bytes or saved
     traces = []
     for stage, events in enumerate(per_stage):
         held = table.fixed_bytes[stage]
@@ -216,8 +217,11 @@ def _memory_traces(
             if recomputed and op is not Op.W:  # B or I re-runs the forward first
                 held += (whole - kept[c]) * scale
                 _step(times, values, event.start, held)
-            if op is Op.W or op is Op.B:  # a split backward has no B: W is the last
-                held -= whole * scale
+            # A split backward has no B: I frees what W does not read, W the rest.
+            left_for_w = for_weights[c]
+            freed = {Op.B: whole, Op.I: whole - left_for_w, Op.W: left_for_w}[op]
+            if freed or op is not Op.I:
+                held -= freed * scale
                 _step(times, values, event.end, held)
         traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))
     return tuple(traces)

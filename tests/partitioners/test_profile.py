@@ -45,11 +45,14 @@ def test_bytes_of_a_linear_and_a_relu() -> None:
         name="Linear",
         backward_input=0.0,  # the first layer: the sample needs no gradient
         backward_weight=linear.backward_weight,
+        weight_bytes=None,  # no input gradient: the whole graph waits for W
+        kept_input_bytes=batch * width * 4,
     )
     assert linear.output_bytes == linear.activation_bytes
     assert relu.param_bytes == 0
     assert relu.activation_bytes == batch * 2 * width * 4
     assert relu.saved_bytes == batch * 2 * width * 4  # its output
+    assert relu.kept_input_bytes == 0 and relu.weight_bytes == 0  # W has nothing to read
     assert linear.forward > 0 and linear.backward > 0 and relu.time > 0
 
 

@@ -1,0 +1,199 @@
+"""The layers that broke the per-layer split backward, as models, and their sweep on a runtime.
+
+Each case is a float64 model, a batch, a loss and a cut that puts the layer in
+question inside a chunk (and, for repeated outputs, across a stage boundary too).
+``sweep`` runs every case under the split schedules (and 1F1B as a control) and
+every checkpoint mode, and returns per combination the largest gradient
+difference against the unpipelined model (the loss's own parameters included)
+and how often each held parameter's post-accumulate hook fired.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import zoo
+from zoo_workers import CHUNKS, MODES, Runtime
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb", "zb-v", "v-half", "v-min", "dualpipe-v")
+WIDTH, ROWS = 8, 12
+Row = dict[str, Any]
+
+
+class Repeat(nn.Module):
+    """Returns one tensor twice: ``(h, h)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.linear(x)
+        return h, h
+
+
+class Derived(Repeat):
+    """Returns a tensor and one derived from it: ``(h, h.mean(1))``."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h = self.linear(x)
+        return h, h.mean(1, keepdim=True)
+
+
+class Join(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(pair[0]) * 2 + pair[1] * pair[0]
+
+
+class Block(nn.Module):
+    """A residual LayerNorm + MLP block (the unit ALBERT shares)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TemperatureLoss(nn.Module):
+    """A CLIP-style loss: cross-entropy of logits scaled by a learned temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits * self.log_scale.exp(), target)
+
+
+def _repeat_model(kind: type[Repeat]) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), kind(), Join(), nn.Linear(WIDTH, WIDTH),
+                         kind(), Join(), nn.Linear(WIDTH, 3))
+
+
+def _tied_model() -> nn.Sequential:
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    second.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), second, nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, 3))
+
+
+def _shared_block_model() -> nn.Sequential:
+    block = Block()
+    return nn.Sequential(block, block, block, nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, 3))
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, its loss, and its cut for one and for two chunks per stage."""
+
+    build: Callable[[], nn.Sequential]
+    loss: Callable[[], nn.Module]
+    balance: tuple[int, ...]
+    balance_v: tuple[int, ...]
+
+
+CASES = {
+    "repeated outputs": Case(lambda: _repeat_model(Repeat), nn.CrossEntropyLoss, (2, 5), (2, 2, 2, 1)),
+    "derived outputs": Case(lambda: _repeat_model(Derived), nn.CrossEntropyLoss, (2, 5), (2, 2, 2, 1)),
+    "weight tied in a chunk": Case(_tied_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
+    "one block at three positions": Case(_shared_block_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
+    "loss with a parameter": Case(_mlp, TemperatureLoss, (3, 3), (3, 1, 1, 1)),
+}
+
+
+def _model(case: Case) -> nn.Sequential:
+    torch.manual_seed(0)
+    return case.build().double()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (ROWS,), generator=generator))
+
+
+def _loss_error(trained: nn.Module, expected: nn.Module) -> float:
+    worst = 0.0
+    for mine, theirs in zip(trained.parameters(), expected.parameters()):
+        if mine.is_meta:
+            continue
+        worst = max(worst, float("inf") if mine.grad is None else zoo.difference(mine.grad, theirs.grad))
+    return worst
+
+
+def _hooked(model: nn.Module) -> dict[str, list[int]]:
+    fired: dict[str, list[int]] = {}
+    for key, parameter in zoo.per_layer_parameters(model).items():
+        if parameter.is_meta or id(parameter) in {id(p) for p in fired.values()}:
+            continue
+        counter = fired.setdefault(key, [0])
+        parameter.register_post_accumulate_grad_hook(lambda _, counter=counter: counter.__setitem__(0, counter[0] + 1))
+    return fired
+
+
+def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
+    """One step of one case: gradient errors against the plain model, and hook counts."""
+    from schedules import get_schedule
+
+    case = CASES[name]
+    model, (x, y) = _model(case), _batch()
+    reference, reference_loss = copy.deepcopy(model), case.loss()
+    reference_loss(reference(x), y).backward()
+    expected = zoo.per_layer_grads(reference)
+    trained, loss_fn = copy.deepcopy(model), copy.deepcopy(reference_loss)
+    loss_fn.zero_grad(set_to_none=True)
+    per_stage = get_schedule(schedule, 2, CHUNKS).chunks // 2
+    balance = list(case.balance if per_stage == 1 else case.balance_v)
+    pipe = runtime.pipe(trained, schedule, mode, loss_fn, balance=balance)
+    fired = _hooked(trained)
+    pipe.step(x, y)
+    grad_error, compared = zoo.grad_errors(trained, expected)
+    holds_loss = not runtime.distributed or pipe.schedule.placement[-1] == _rank()
+    return {
+        "grad_error": grad_error, "compared": compared,
+        "loss_grad_error": _loss_error(loss_fn, reference_loss) if holds_loss else 0.0,
+        "hooks": sorted({count[0] for count in fired.values()}),
+    }
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def sweep(distributed: bool) -> list[Row]:
+    """Every case x split schedule x checkpoint mode; a failure is a row, never an abort."""
+    runtime = Runtime(distributed)
+    rows = []
+    for name in CASES:
+        for schedule in SCHEDULES:
+            for mode in MODES:
+                row: Row = {"case": name, "schedule": schedule, "mode": mode, "error": None}
+                try:
+                    row.update(run_case(runtime, name, schedule, mode))
+                except Exception as error:  # noqa: BLE001 - reported per combination
+                    row["error"] = zoo.failure_text(error)
+                rows.append(row)
+    return rows
+
+
+def on_rank(rank: int, world: int) -> list[Row]:
+    """The entry point of each spawned gloo rank."""
+    torch.set_num_threads(1)
+    return sweep(distributed=True)
