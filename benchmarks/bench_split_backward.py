@@ -16,6 +16,11 @@ torch's ``stage_backward_input`` and ``stage_backward_weight``. Forwards are not
 timed; the figures are medians over the rounds. The bars: (I + W) / B <= 1.10 on
 gpt and resnet, <= 1.5 on linear, and ours no slower than torch's on each. Exits 1
 when a bar is missed.
+
+With ``--pipe`` it instead prints the table of issue 22, as a user measures it: a
+GPT of 4 such blocks in ``Pipe(balance=[2, 2], devices=["cpu", "cpu"], chunks=4)``
+on 16 x 64 tokens, per stage the median duration of B under 1F1B and of I and W
+under ZB-H1, read from ``pipe.timeline`` over the steps.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from torch.distributed.pipelining._backward import (  # noqa: E402
     stage_backward_weight,
 )
 
-from partitioners.split_backward import backward_input  # noqa: E402
 
 BARS = {"gpt": 1.10, "resnet": 1.10, "linear": 1.5}
 
@@ -101,6 +105,8 @@ def one_round(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
 
     leaf, out, grad = forward()
     times["B"] = _timed(lambda: torch.autograd.backward([out], [grad]))
+    from partitioners.split_backward import backward_input
+
     leaf, out, grad = forward()
     pending: list[Any] = []
     times["I"] = _timed(lambda: pending.append(backward_input([out], [grad], [leaf])[1]))
@@ -123,12 +129,43 @@ def measure(name: str, repeat: int, warmup: int = 3) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 
+def pipe_table(steps: int) -> None:
+    """Issue 22's table: per stage, B (1F1B), I and W (ZB-H1) from the Pipe's timelines."""
+    from pipeline import Pipe
+    from schedules import Op
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    x, y = torch.randn(16, 64, 128), torch.randn(16, 64, 128)
+    durations: dict[tuple[int, Op], list[float]] = {}
+    for schedule, ops in (("1f1b", (Op.B,)), ("zb-h1", (Op.I, Op.W))):
+        pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule,
+                    checkpoint="never", loss_fn=nn.MSELoss())
+        for step in range(steps + 1):
+            pipe.step(x, y)
+            model.zero_grad(set_to_none=True)
+            if step == 0:
+                continue  # warm-up
+            for event in pipe.timeline.events:
+                if event.action.op in ops:
+                    durations.setdefault((event.stage, event.action.op), []).append(event.duration)
+        pipe.close()
+    print(f"{'stage':>5} {'B (1f1b) ms':>12} {'I (zb-h1) ms':>13} {'W (zb-h1) ms':>13} {'(I+W)/B':>8}")
+    for stage in range(2):
+        b, i, w = (statistics.median(durations[(stage, op)]) for op in (Op.B, Op.I, Op.W))
+        print(f"{stage:>5} {b * 1e3:12.1f} {i * 1e3:13.1f} {w * 1e3:13.1f} {(i + w) / b:8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=40)
     parser.add_argument("--stages", nargs="+", default=list(BARS), choices=list(BARS))
+    parser.add_argument("--pipe", action="store_true", help="the Pipe table of issue 22 instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.pipe:
+        pipe_table(steps=4)
+        return 0
     print(f"{'stage':8} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8} "
           f"{'torch I':>8} {'torch W':>8} {'torch/B':>8}  bar")
     missed = False
