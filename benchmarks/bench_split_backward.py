@@ -93,39 +93,48 @@ def _timed(work: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def one_round(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
-    """Seconds of B, our I and W, torch's I and W, each after a fresh forward."""
+def one_round(model: nn.Module, x: torch.Tensor, first: int) -> dict[str, float]:
+    """Seconds of B, our I and W, torch's I and W, each after a fresh forward; the three
+    take turns going first (``first``), so that none always follows the same one."""
+    from partitioners.split_backward import backward_input
+
     parameters = [p for p in model.parameters() if p.requires_grad]
-    times = {}
+    times: dict[str, float] = {}
 
     def forward() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         leaf = x.detach().requires_grad_()
         out = model(leaf)
         return leaf, out, torch.ones_like(out)
 
-    leaf, out, grad = forward()
-    times["B"] = _timed(lambda: torch.autograd.backward([out], [grad]))
-    from partitioners.split_backward import backward_input
+    def plain() -> None:
+        leaf, out, grad = forward()
+        times["B"] = _timed(lambda: torch.autograd.backward([out], [grad]))
 
-    leaf, out, grad = forward()
-    pending: list[Any] = []
-    times["I"] = _timed(lambda: pending.append(backward_input([out], [grad], [leaf])[1]))
-    times["W"] = _timed(lambda: pending[0].run())
-    del pending[:]
-    leaf, out, grad = forward()
-    groups: list[Any] = []
-    times["torch I"] = _timed(lambda: groups.append(
-        stage_backward_input([out], [grad], [leaf], iter(parameters))[1]))
-    times["torch W"] = _timed(lambda: stage_backward_weight(iter(parameters), groups[0]))
-    for parameter in parameters:
-        parameter.grad = None
+    def ours() -> None:
+        leaf, out, grad = forward()
+        pending: list[Any] = []
+        times["I"] = _timed(lambda: pending.append(backward_input([out], [grad], [leaf])[1]))
+        times["W"] = _timed(lambda: pending[0].run())
+
+    def theirs() -> None:
+        leaf, out, grad = forward()
+        groups: list[Any] = []
+        times["torch I"] = _timed(lambda: groups.append(
+            stage_backward_input([out], [grad], [leaf], iter(parameters))[1]))
+        times["torch W"] = _timed(lambda: stage_backward_weight(iter(parameters), groups[0]))
+
+    runs = [plain, ours, theirs]
+    for run in runs[first:] + runs[:first]:
+        run()
+        for parameter in parameters:
+            parameter.grad = None
     return times
 
 
 def measure(name: str, repeat: int, warmup: int = 3) -> dict[str, float]:
     """Medians over ``repeat`` rounds (after ``warmup``) for one stage."""
     model, x = make_stage(name)
-    rounds = [one_round(model, x) for _ in range(warmup + repeat)][warmup:]
+    rounds = [one_round(model, x, index % 3) for index in range(warmup + repeat)][warmup:]
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 

@@ -20,31 +20,28 @@ an input (its root is simply off the chain).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch.autograd.graph import Node
 
 Slot = tuple[Node, int]  # where a gradient enters a node: (node, input_nr)
 
 
-@dataclass(frozen=True)
-class Exit:
+class Exit(NamedTuple):
     """An edge leaving the input chain: output ``index`` of a junction feeds ``slot``."""
 
     index: int
     slot: Slot
 
 
-@dataclass(frozen=True)
-class Junction:
+class Junction(NamedTuple):
     """A node on the input chain with exits to the weight side."""
 
     node: Node
     exits: tuple[Exit, ...]
 
 
-@dataclass(frozen=True)
-class GraphSplit:
+class GraphSplit(NamedTuple):
     """The chain/weight-side reading of one backward graph.
 
     Attributes:
@@ -67,31 +64,36 @@ def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
     Returns:
         The roots' places (on the chain or not) and the junctions.
     """
-    targets = set(inputs)
+    # Once down from the roots to find every node and its parents, then up from the
+    # inputs: the chain is every node an input is reachable from. Two flat loops, as
+    # this runs before every I.
     children: dict[Node, tuple[tuple[Node | None, int], ...]] = {}
-    leads: dict[Node, bool] = {}
-    stack: list[tuple[Node, bool]] = [(root, False) for root in roots]
+    parents: dict[Node, list[Node]] = {}
+    stack = list(roots)
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            leads[node] = node in targets or any(
-                child is not None and leads.get(child, False) for child, _ in children[node]
-            )
-            continue
+        node = stack.pop()
         if node in children:
             continue
-        edges = children[node] = tuple(node.next_functions)
-        stack.append((node, True))
-        stack.extend((child, False) for child, _ in edges if child is not None and child not in children)
+        edges = children[node] = node.next_functions
+        for child, _ in edges:
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+                if child not in children:
+                    stack.append(child)
+    chain = {node for node in inputs if node in children}
+    rising = list(chain)
+    while rising:
+        for parent in parents.get(rising.pop(), ()):
+            if parent not in chain:
+                chain.add(parent)
+                rising.append(parent)
     junctions = []
-    for node, on_chain in leads.items():
-        if not on_chain:
-            continue
+    for node in chain:
         exits = tuple(
             Exit(index, (child, input_nr))
             for index, (child, input_nr) in enumerate(children[node])
-            if child is not None and not leads[child]
+            if child is not None and child not in chain
         )
         if exits:
             junctions.append(Junction(node, exits))
-    return GraphSplit(tuple(leads[root] for root in roots), tuple(junctions))
+    return GraphSplit(tuple(root in chain for root in roots), tuple(junctions))

@@ -21,7 +21,7 @@ the roots gets its gradient, whether or not its path meets an input.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -49,14 +49,16 @@ def _engine(
     return () if found is None else tuple(found)
 
 
-@dataclass
 class _Capture:
     """What one junction leaves for W: a rule prepared before I, what entered it during I."""
 
-    junction: Junction
-    deferred: Deferred | None  # the junction's rule, its saved tensors taken
-    entered: Grads | None = None  # the gradients that entered the node in I
-    sent: dict[int, torch.Tensor] = field(default_factory=dict)  # exits the node computed itself
+    __slots__ = ("junction", "deferred", "entered", "sent")
+
+    def __init__(self, junction: Junction, deferred: Deferred | None) -> None:
+        self.junction = junction
+        self.deferred = deferred  # the junction's rule, its saved tensors taken
+        self.entered: Grads | None = None  # the gradients that entered the node in I
+        self.sent: dict[int, torch.Tensor] = {}  # exits the node computed itself
 
     def __call__(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
         self.entered = grad_outputs
@@ -66,7 +68,10 @@ class _Capture:
                 self.sent[exit.index] = grad
 
     def exit_grads(self) -> list[tuple[Slot, torch.Tensor]]:
-        """The gradients along the exits: computed in I, by the rule, or by the engine."""
+        """The gradients along the exits: computed in I, by the rule, or by the engine.
+
+        Runs under ``torch.no_grad()``.
+        """
         if self.entered is None:
             return []  # no gradient reached the junction
         exits = self.junction.exits
@@ -79,8 +84,7 @@ class _Capture:
         grad = self.entered[0]
         if grad is None:
             return found
-        with torch.no_grad():
-            computed = self.deferred.compute(grad)
+        computed = self.deferred.compute(grad)
         return found + [(exit.slot, computed[exit.index]) for exit in missing if exit.index in computed]
 
 
@@ -100,10 +104,13 @@ class WeightGradients:
     def run(self) -> None:
         """Accumulate the weight gradients into ``.grad`` (W); the graph is freed as it goes."""
         seeds = list(self.seeds)
-        for capture in self.captures:
-            seeds.extend(capture.exit_grads())
+        with torch.no_grad():
+            for capture in self.captures:
+                seeds.extend(capture.exit_grads())
         self.seeds, self.captures = [], []
         if seeds:
+            # Through the seeds' own nodes (a Linear's weight.t(), say): a gradient the
+            # engine makes is one AccumulateGrad may keep as .grad without a copy.
             _engine([GradientEdge(*slot) for slot, _ in seeds], [g for _, g in seeds],
                     keep_graph=False, accumulate=True)
 
