@@ -27,6 +27,7 @@ from pipeline.shared import (
     stages_using,
     unique,
 )
+from pipeline.step_state import StepState
 from pipeline.runner import (
     Plans,
     PendingTimeline,
@@ -240,12 +241,21 @@ class DistRunner:
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
+        state = StepState.set_aside(self.parameters(), self.chunks_modules())
         try:
-            return self._step(inputs, targets, weights)
-        except PeerError as error:
-            # Messages of this step may still be in flight: the group must not be reused.
-            self._broken = self._broken or str(error)
+            found = self._step(inputs, targets, weights)
+        except BaseException as error:
+            state.restore(error)
+            if isinstance(error, PeerError):
+                # Messages of this step may still be in flight: the group must not be reused.
+                self._broken = self._broken or str(error)
             raise
+        state.merge()
+        return found
+
+    def chunks_modules(self) -> list[nn.Module]:
+        """This rank's chunks' layers."""
+        return [chunk.layers for chunk in self.chunks.values()]
 
     def _step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None

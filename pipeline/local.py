@@ -29,6 +29,7 @@ from pipeline.runner import (
 )
 from pipeline.shared import chunk_layers, shared_parameters
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
+from pipeline.step_state import StepState
 from pipeline.transports.base import PipelineAborted
 from pipeline.transports.local import LocalTransport
 
@@ -118,6 +119,18 @@ class LocalRunner:
         return results
 
     def run_step(
+        self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
+    ) -> tuple[torch.Tensor, PendingTimeline]:
+        state = StepState.set_aside(self.parameters(), [self.model])
+        try:
+            found = self._step(inputs, targets, weights)
+        except BaseException as error:
+            state.restore(error)
+            raise
+        state.merge()
+        return found
+
+    def _step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
         schedule = self.schedule

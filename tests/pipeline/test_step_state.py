@@ -1,0 +1,92 @@
+"""A step is a unit: a failed step leaves no half state, and accumulation stays exact.
+
+A layer raising at micro-batch 3 of 8 leaves ``.grad`` (the very tensors) and BatchNorm's
+running statistics as they were before the step, says so in the error, and the next step
+without ``zero_grad`` accumulates exactly; two steps without ``zero_grad`` on a head tied
+to the embedding across ranks add up to two plain backward passes (the cross-stage sum
+counts each step's part once). In one process and on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import step_state_workers as workers
+from dist_harness import run_ranks
+from pipeline import Pipe
+from pipeline.step_state import NOTE
+
+TOLERANCE = 1e-10
+SCHEDULES = ("1f1b", "zb-h1", "gpipe")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_failed_step_leaves_gradients_and_statistics_as_before_in_one_process(schedule: str) -> None:
+    model = workers.faulty_model()
+    x, y = workers.batch()
+    loss_fn = nn.CrossEntropyLoss()
+    untroubled = copy.deepcopy(model)  # BatchNorm: the reference is the pipeline, unfailed
+    reference = Pipe(untroubled, workers.CHUNKS, balance=[3, 4], devices=["cpu", "cpu"],
+                     schedule=schedule, checkpoint="never", loss_fn=loss_fn)
+    for _ in range(2):
+        reference.step(x, y)
+    expected = {key: p.grad for key, p in workers.per_layer(untroubled).items()}
+    pipe = Pipe(model, workers.CHUNKS, balance=[3, 4], devices=["cpu", "cpu"], schedule=schedule,
+                checkpoint="never", loss_fn=loss_fn)
+    pipe.step(x, y)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    values = {name: g.clone() for name, g in grads.items()}
+    statistics = [b.clone() for b in model.buffers()]
+    model[4].armed = True
+    with pytest.raises(Exception, match="a bad micro-batch") as raised:
+        pipe.step(x, y)
+    model[4].armed = False
+    assert NOTE in getattr(raised.value, "__notes__", [])
+    for name, p in model.named_parameters():
+        assert p.grad is grads[name] and torch.equal(p.grad, values[name]), name
+    for buffer, before in zip(model.buffers(), statistics):
+        assert torch.equal(buffer, before)
+    pipe.step(x, y)  # accumulates onto the first step's gradients
+    assert workers.worst(model, expected) < TOLERANCE
+    for buffer, after in zip(model.buffers(), untroubled.buffers()):
+        assert torch.equal(buffer, after)
+
+
+def test_a_successful_step_accumulates_into_the_same_tensors() -> None:
+    model = workers.faulty_model()
+    x, y = workers.batch()
+    pipe = Pipe(model, 4, balance=[3, 4], devices=["cpu", "cpu"], loss_fn=nn.CrossEntropyLoss())
+    pipe.step(x, y)
+    before = {name: p.grad for name, p in model.named_parameters()}
+    pipe.step(x, y)
+    assert all(p.grad is before[name] for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("schedule", ("1f1b", "zb-h1", "zb-v"))
+def test_tied_weights_accumulate_exactly_across_ranks(schedule: str) -> None:
+    for difference in run_ranks(workers.tied_accumulation, 2, schedule):
+        assert difference < TOLERANCE
+
+
+@pytest.mark.parametrize("schedule", ("1f1b", "zb-h1"))
+def test_a_failed_step_leaves_every_rank_as_before(schedule: str) -> None:
+    for same_grads, same_statistics, message, difference in run_ranks(
+            workers.failed_step, 2, schedule, timeout=120):
+        assert same_grads and same_statistics, message
+        assert NOTE in message
+        assert difference < TOLERANCE
+
+
+def test_tied_accumulation_in_one_process() -> None:
+    model = workers.tied_model()
+    x, y = workers.tokens()
+    expected = workers.reference_two_steps(copy.deepcopy(model), x, y, workers.lm_loss)
+    pipe = Pipe(model, workers.CHUNKS, balance=[2, 3], devices=["cpu", "cpu"], schedule="zb-h1",
+                checkpoint="never", loss_fn=workers.lm_loss)
+    for _ in range(2):
+        pipe.step(x, y)
+    assert workers.worst(model, expected) < TOLERANCE
