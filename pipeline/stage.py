@@ -30,6 +30,7 @@ from torch import nn
 from partitioners.split_backward import WeightGradients, backward_input
 from pipeline.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.checkpoint import CheckpointMode, layer_seed, recomputes, seeded
+from pipeline.forward_state import Snapshot, WrittenBuffers
 from pipeline.loss import check_loss_value
 from pipeline.memory import ActivationTracker
 from pipeline.payload import Flat, detach, differentiable, flatten
@@ -108,12 +109,15 @@ class ChunkRunner:
         self._quiet = False
         self._mutates_input: bool | None = None
         self._norms = running_norms(layers)
+        self._written = WrittenBuffers(layers)
+        self._snapshots: dict[int, Snapshot] = {}  # per recomputed micro-batch
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
     def begin_step(self, seed_base: int, microbatches: int) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""
         self._stash.clear()
         self._weights.clear()
+        self._snapshots.clear()
         self._seed_base = seed_base
         self._microbatches = microbatches
         self._draws = [None] * len(self.layers)
@@ -229,10 +233,12 @@ class ChunkRunner:
                 return stash.loss.detach()
             assert stash.outputs is not None
             return detach(stash.outputs.rebuild())
+        snapshot, marks = self._written.snapshot()
         with torch.no_grad(), self._statistics(first=True):
             outputs = self._run_layers(microbatch, stash.inputs)
             if self.spec.is_last:
-                return self._loss(microbatch, outputs, stash).detach()
+                outputs = self._loss(microbatch, outputs, stash)
+        self._snapshots[microbatch] = self._written.learn(snapshot, marks)
         return detach(outputs)
 
     # -- backward ---------------------------------------------------------------------------
@@ -240,7 +246,8 @@ class ChunkRunner:
     def _ready_for_backward(self, microbatch: int) -> _Stash:
         stash = self._stash[microbatch]
         if stash.outputs is None and stash.loss is None:
-            self._forward_with_graph(microbatch, stash, first=False)
+            with self._written.replayed(self._snapshots.pop(microbatch, None)):
+                self._forward_with_graph(microbatch, stash, first=False)
         return stash
 
     def _roots(

@@ -114,3 +114,33 @@ def test_always_recomputes_every_microbatch_and_pipe_stays_reusable() -> None:
         pipe.zero_grad()
         pipe.step(x, target)
         assert max_difference(grads(pipe.model), expected) < 1e-10
+
+
+def _spectral_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)]
+    for index in (0, 2, 4):
+        nn.utils.parametrizations.spectral_norm(layers[index])
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_state_a_forward_writes_is_not_written_again_by_its_recomputation(
+        schedule: str, checkpoint: str) -> None:
+    """Spectral norm refines its vectors in every training forward: a recomputation runs
+    with the vectors its forward saw, and leaves them as the forwards left them."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 3, dtype=torch.float64)
+    balance = [3, 2] if schedule != "zb-v" else [2, 1, 1, 1]
+    results = []
+    for mode in ("never", checkpoint):
+        model = _spectral_model()
+        pipe = Pipe(model, 4, balance=balance, devices=["cpu", "cpu"], schedule=schedule,
+                    checkpoint=mode, loss_fn=nn.MSELoss())
+        for _ in range(2):
+            pipe.step(x, y)
+        results.append((grads(model), [b.clone() for b in model.buffers()]))
+    (plain_grads, plain_buffers), (recomputed_grads, recomputed_buffers) = results
+    assert max_difference(plain_grads, recomputed_grads) < 1e-10
+    assert all(torch.equal(a, b) for a, b in zip(plain_buffers, recomputed_buffers))
