@@ -108,8 +108,16 @@ class LocalRunner:
         ]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join()
+        try:
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            # Ctrl-C while the stages run: each stops at its next wait, and the step's state
+            # is restored only once none of them can write to it any more.
+            transport.abort("interrupted: the caller stopped the step")
+            for thread in threads:
+                thread.join()
+            raise
         if errors:
             root = [e for e in errors if not isinstance(e[1], PipelineAborted)] or errors
             raise root[0][1]

@@ -90,3 +90,44 @@ def test_tied_accumulation_in_one_process() -> None:
     for _ in range(2):
         pipe.step(x, y)
     assert workers.worst(model, expected) < TOLERANCE
+
+
+INTERRUPTED = """
+import sys, torch
+from torch import nn
+from pipeline import Pipe
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+pipe = Pipe(model, chunks=8, balance=[4, 4], devices=["cpu", "cpu"], loss_fn=nn.MSELoss(),
+            schedule=sys.argv[1])
+x, y = torch.randn(256, 512), torch.randn(256, 512)
+pipe.step(x, y)
+print("stepping", flush=True)
+while True:
+    pipe.step(x, y)
+"""
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_ctrl_c_ends_a_one_process_step_and_the_program_cleanly(schedule: str, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED)
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen([sys.executable, str(script), schedule], cwd=root,
+                               env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "stepping"
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    interrupted = time.monotonic()
+    _, err = process.communicate(timeout=60)
+    assert time.monotonic() - interrupted < 10
+    assert process.returncode == -signal.SIGINT, err[-2000:]
+    assert "terminate called" not in err and "KeyboardInterrupt" in err
