@@ -19,17 +19,33 @@ first forward:
   step returns and differentiates ``sum of sums / sum of counts``.
 - any other callable alone: it returns a mean over its rows, and micro-batches
   are weighted by their share of the batch's rows.
+
+Two things the targets alone do not show are settled on the last chunk, where
+the output meets the target (``ModuleLoss``). An element-wise loss broadcasts
+the output against the target and its mean divides by the broadcast size: an
+(n, 6) output against an (n, 1) target counts 6n. That ratio is the same for
+every micro-batch, so each micro-batch's sum is divided by it; shapes that pair
+a row with other rows (an (n, 1) output against an (n,) target: (n, n)) cannot
+be split and are refused. And a subclass whose ``forward`` ignores
+``self.reduction`` would return a mean where a sum is asked for: its first
+micro-batch is also evaluated under the mean, without gradients, and refused
+unless the sum is the mean times the count.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import threading
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from pipeline.microbatch import batch_size
 
@@ -42,6 +58,19 @@ _ELEMENTWISE = (
     nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
     nn.PoissonNLLLoss, nn.SoftMarginLoss, nn.HingeEmbeddingLoss, nn.KLDivLoss, nn.MultiMarginLoss,
 )
+# The element-wise ones that broadcast the output against the target (the BCE losses and
+# MultiMarginLoss require matching shapes): their mean divides by the broadcast size.
+_BROADCASTING = (
+    nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.PoissonNLLLoss, nn.SoftMarginLoss,
+    nn.HingeEmbeddingLoss, nn.KLDivLoss,
+)
+# A subclass with its own forward is checked on at most this many micro-batches, until one
+# can tell whether it honours reduction (one that counts 0 or 1, or whose loss is 0, cannot).
+_CHECK_ATTEMPTS = 8
+
+
+class LossFunctionError(ValueError):
+    """A loss_fn whose micro-batch results cannot add up to the batch's: says why and the fix."""
 
 
 @dataclass(frozen=True)
@@ -84,23 +113,177 @@ def _module_rule(module: nn.modules.loss._Loss) -> LossRule:
             f"{type(module).__name__}(reduction='none') gives a loss per element; "
             f"Pipe needs a scalar: use reduction='mean' or 'sum'"
         )
-    if reduction == "sum":
-        return LossRule(module, lambda targets: [1.0] * len(targets))
-    summed = copy.copy(module)
-    summed.reduction = "sum"
+    count: Callable[[Any], float] | None = None
     if reduction == "batchmean":
-        return LossRule(summed, lambda targets: _inverse_total([batch_size(t) for t in targets]))
-    if isinstance(module, _INDEXED):
-        return LossRule(summed, lambda targets: _inverse_total(
-            [_indexed_count(module, t) for t in targets]))
-    if isinstance(module, _ELEMENTWISE):
-        return LossRule(summed, lambda targets: _inverse_total([_elements(t) for t in targets]))
-    raise ValueError(
-        f"{type(module).__name__}(reduction='mean') divides by a count Pipe cannot derive from "
-        f"the targets alone, so micro-batch means would not add up to the batch's; pass "
-        f"{type(module).__name__}(reduction='sum') with loss_count=lambda target: <what the "
-        f"mean divides by for that micro-batch>"
-    )
+        count = batch_size
+    elif isinstance(module, _INDEXED):
+        count = functools.partial(_indexed_count, module)
+    elif isinstance(module, _ELEMENTWISE):
+        count = _elements
+    if reduction != "sum" and count is None:
+        raise ValueError(
+            f"{type(module).__name__}(reduction='mean') divides by a count Pipe cannot derive "
+            f"from the targets alone, so micro-batch means would not add up to the batch's; pass "
+            f"{type(module).__name__}(reduction='sum') with loss_count=lambda target: <what the "
+            f"mean divides by for that micro-batch>"
+        )
+    function = ModuleLoss(module, count)
+    if reduction == "sum" or count is None:
+        return LossRule(function, lambda targets: [1.0] * len(targets))
+    counted = count
+    return LossRule(function, lambda targets: _inverse_total([counted(t) for t in targets]))
+
+
+class ModuleLoss:
+    """A torch loss module as the last chunk calls it: a micro-batch's sum (module docstring).
+
+    Args:
+        module: the user's loss module (left as it is).
+        count: what the module's mean divides by for one micro-batch's target, as the
+            rule's weights count it; None where Pipe cannot tell (a module used with
+            ``reduction="sum"`` only).
+    """
+
+    def __init__(self, module: nn.modules.loss._Loss, count: Callable[[Any], float] | None
+                 ) -> None:
+        self.module = module
+        self.reduction = module.reduction
+        self.summed = module if self.reduction == "sum" else _with_reduction(module, "sum")
+        self.count = count
+        own_forward = _overrides_forward(module)
+        # A subclass's forward may reshape before torch sees the shapes: it is checked instead.
+        self.broadcasts = isinstance(module, _BROADCASTING) and not own_forward
+        self.checks_left = _CHECK_ATTEMPTS if own_forward and count is not None else 0
+
+    def __call__(self, output: Any, target: Any,
+                 rng_lock: threading.Lock | None = None) -> Any:
+        """The micro-batch's loss: its sum, over the broadcast ratio for a mean.
+
+        Raises:
+            LossFunctionError: shapes whose broadcast pairs a row with other rows; a
+                subclass whose forward does not honour ``self.reduction``.
+        """
+        ratio = _broadcast_ratio(self.module, output, target) if self.broadcasts else 1.0
+        if self.checks_left:
+            self._check_reduction(output, target, rng_lock)
+        loss = self.summed(output, target)
+        # The weights divide by the targets' elements; torch's mean by ratio x as many.
+        return loss / ratio if ratio != 1.0 and self.reduction == "mean" else loss
+
+    def _check_reduction(self, output: Any, target: Any, rng_lock: threading.Lock | None
+                         ) -> None:
+        """Refuse a forward that ignores ``self.reduction``: the sum must be mean x count."""
+        assert self.count is not None
+        other = "batchmean" if self.reduction == "batchmean" else "mean"
+        count = float(self.count(target))
+        with rng_lock if rng_lock is not None else nullcontext():
+            values = _evaluate(self.module, ("sum", other), output, target)
+        if values is None:  # not a scalar: the call itself reports that
+            self.checks_left = 0
+            return
+        (total, mean), tolerance = values
+        if (not (math.isfinite(total) and math.isfinite(mean))
+                or math.isclose(mean, mean * count, rel_tol=tolerance)):
+            self.checks_left -= 1  # this micro-batch cannot tell the two apart
+            return
+        if math.isclose(total, mean * count, rel_tol=tolerance):
+            self.checks_left = 0
+            return
+        name = type(self.module).__name__
+        fault = ("ignores self.reduction" if math.isclose(total, mean, rel_tol=tolerance)
+                 else "does not divide by what torch's own mean would")
+        raise LossFunctionError(
+            f"{name} {fault}: on a micro-batch that counts {count:g} (what {name}'s "
+            f"reduction='{other}' should divide by), its forward returned {total:.6g} under "
+            f"reduction='sum' and {mean:.6g} under reduction='{other}'; expected the sum to be "
+            f"{count:g} x {mean:.6g} = {mean * count:.6g}. Pipe calls a loss module with "
+            f"reduction='sum' on each micro-batch and divides by the whole batch's count, so "
+            f"its forward must honour self.reduction: pass reduction=self.reduction to the "
+            f"functional loss (e.g. F.cross_entropy(..., reduction=self.reduction)) or call "
+            f"super().forward; or pass a plain function that returns a micro-batch's sum, with "
+            f"loss_count=lambda target: <what its mean divides by>"
+        )
+
+
+def call_loss(loss_fn: LossFn, output: Any, target: Any,
+              rng_lock: threading.Lock | None = None) -> Any:
+    """``loss_fn(output, target)``; a ``ModuleLoss`` checks under ``rng_lock``.
+
+    ``rng_lock`` guards the generator the chunk's device shares with other stage threads
+    (None with one stage per process): a check restores the RNG state it found, which must
+    not undo another thread's draws meanwhile.
+
+    Raises:
+        LossFunctionError: see ``ModuleLoss.__call__``.
+    """
+    if isinstance(loss_fn, ModuleLoss):
+        return loss_fn(output, target, rng_lock)
+    return loss_fn(output, target)
+
+
+def _with_reduction(module: nn.modules.loss._Loss, reduction: str) -> nn.modules.loss._Loss:
+    """A shallow copy (the same parameters and buffers) with another reduction."""
+    changed = copy.copy(module)
+    changed.reduction = reduction
+    return changed
+
+
+def _overrides_forward(module: nn.Module) -> bool:
+    """Whether a subclass's own forward stands between the caller and torch's loss."""
+    torch_class = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
+    return type(module).forward is not torch_class.forward
+
+
+def _broadcast_ratio(module: nn.Module, output: Any, target: Any) -> float:
+    """How many times the target's elements torch's mean divides by (the broadcast size's).
+
+    Raises:
+        LossFunctionError: the broadcast pairs a row with other rows, as an (n, 1) output
+            against an (n,) target does: the batch's loss couples micro-batches.
+    """
+    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return 1.0
+    try:
+        shape = torch.broadcast_shapes(output.shape, target.shape)
+    except RuntimeError:
+        return 1.0  # the module reports the mismatch itself
+    if shape == target.shape or target.numel() == 0:
+        return 1.0
+    # Dim 0 is the rows on both sides: with as many dims, rows meet only their own rows.
+    if output.dim() != target.dim() or output.shape[0] not in (target.shape[0], 1):
+        raise LossFunctionError(
+            f"{type(module).__name__} broadcasts an output of shape {tuple(output.shape)} "
+            f"against a target of shape {tuple(target.shape)} to {tuple(shape)}, pairing each "
+            f"row with rows other than its own; over the whole batch that pairs rows of "
+            f"different micro-batches, which no split reproduces. Give output and target "
+            f"the same number of dims (e.g. target.unsqueeze(-1) or output.squeeze(-1)), or "
+            f"pass a loss_fn that returns a micro-batch's sum with loss_count=..."
+        )
+    return shape.numel() / target.numel()
+
+
+def _evaluate(module: nn.modules.loss._Loss, reductions: Sequence[str], output: Any,
+              target: Any) -> tuple[list[float], float] | None:
+    """``module`` under each reduction, on copies, without gradients, the RNG restored.
+
+    Returns:
+        The values and a relative tolerance for their dtype, or None if one is no scalar.
+    """
+    output, target = _copies(output), _copies(target)
+    tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+    cuda = [tensors[0].device] if tensors and tensors[0].device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        results = [_with_reduction(module, r)(output, target) for r in reductions]
+    if not all(isinstance(r, torch.Tensor) and r.numel() == 1 for r in results):
+        return None
+    dtype = results[0].dtype
+    epsilon = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return [float(r) for r in results], max(1e-4, 16 * epsilon)
+
+
+def _copies(value: Any) -> Any:
+    return pytree.tree_map(
+        lambda leaf: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
 def _indexed_count(module: nn.Module, target: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ from partitioners.split_backward import WeightGradients, backward_input
 from pipeline.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.checkpoint import CheckpointMode, layer_seed, recomputes, seeded
 from pipeline.forward_state import Snapshot, WrittenBuffers
-from pipeline.loss import check_loss_value
+from pipeline.loss import LossFunctionError, call_loss, check_loss_value
 from pipeline.memory import ActivationTracker
 from pipeline.payload import Flat, detach, differentiable, flatten
 
@@ -203,7 +203,9 @@ class ChunkRunner:
         if loss_fn is None:
             raise ValueError("step() needs a loss_fn: pass Pipe(..., loss_fn=nn.MSELoss()) or similar")
         try:
-            loss = loss_fn(outputs, stash.target)
+            loss = call_loss(loss_fn, outputs, stash.target, self.rng_lock)
+        except LossFunctionError:
+            raise  # the loss_fn's fault, not this stage's: it names the shapes and the fix
         except Exception as error:
             raise StageError(
                 f"stage {self.spec.stage}, loss_fn, micro-batch {microbatch}: "
