@@ -90,6 +90,8 @@ class LocalRunner:
         results: list[Any] = [None] * self.schedule.stages
         errors: list[tuple[int, BaseException]] = []
 
+        finished = [threading.Event() for _ in range(self.schedule.stages)]
+
         def worker(stage: int) -> None:
             try:
                 with ExitStack() as stack:
@@ -101,6 +103,8 @@ class LocalRunner:
             except BaseException as error:  # reported to the caller below
                 errors.append((stage, error))
                 transport.abort(f"stage {stage} failed: {type(error).__name__}: {error}")
+            finally:
+                finished[stage].set()
 
         threads = [
             threading.Thread(target=worker, args=(stage,), name=f"pipesched-stage-{stage}")
@@ -109,15 +113,21 @@ class LocalRunner:
         for thread in threads:
             thread.start()
         try:
-            for thread in threads:
-                thread.join()
+            # Events, not Thread.join: a KeyboardInterrupt inside join can leave the thread's
+            # lock taken, and the next join (or the interpreter's exit) waits forever.
+            for event in finished:
+                event.wait()
         except BaseException:
             # Ctrl-C while the stages run: each stops at its next wait, and the step's state
             # is restored only once none of them can write to it any more.
             transport.abort("interrupted: the caller stopped the step")
+            for event in finished:
+                event.wait()
             for thread in threads:
                 thread.join()
             raise
+        for thread in threads:
+            thread.join()
         if errors:
             root = [e for e in errors if not isinstance(e[1], PipelineAborted)] or errors
             raise root[0][1]
