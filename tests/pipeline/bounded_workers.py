@@ -1,0 +1,52 @@
+"""Rank functions for tests/pipeline/test_bounded.py (importable by name)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SILENCE = 16.0  # seconds rank 1 stays silent
+TIMEOUT = 3.0
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()).double()
+
+
+def silent_during_every_call(rank: int, world: int) -> list[tuple[str, str, float]]:
+    """Rank 1 builds four Pipes, then goes silent; rank 0 calls gather_state_dict, step,
+    predict and close on them in turn. Rank 0's (call, outcome, seconds) per call."""
+    from pipeline import Pipe, gather_state_dict, save_state_dict
+
+    torch.set_num_threads(1)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    pipes = [Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=TIMEOUT,
+                  group=dist.new_group(list(range(world)))) for _ in range(4)]
+    if rank == 1:
+        time.sleep(SILENCE)
+        return []
+    calls = {
+        "gather_state_dict": lambda: gather_state_dict(pipes[0]),
+        "step": lambda: pipes[1].step(x, None),
+        "predict": lambda: pipes[2].predict(x, None),
+        "close": lambda: pipes[3].close(),
+    }
+    outcomes = []
+    for name, call in calls.items():
+        started = time.monotonic()
+        try:
+            call()
+            outcome = "returned"
+        except Exception as error:  # noqa: BLE001 - what the test inspects
+            outcome = f"{type(error).__name__}: {str(error)[:200]}"
+        outcomes.append((name, outcome, time.monotonic() - started))
+    started = time.monotonic()
+    save_state_dict({"weight": torch.zeros(3)}, f"/tmp/pipesched-bounded-{rank}.pt")
+    outcomes.append(("save_state_dict", "returned", time.monotonic() - started))
+    return outcomes
