@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -176,6 +177,9 @@ class Pipe(ModelLike):
                 self.model, self._balance, self._schedule, self._devices[0], self._options,
                 self.timeout, self._group, self._data_group, self._init_fn, self._transport,
             )
+        # A Pipe dropped without close() still gives back its communicators and buffers
+        # (locally: a finalizer cannot wait for the other ranks).
+        self._release = weakref.finalize(self, _release, self._runner)
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
         def resolve() -> list[int] | None:
@@ -375,6 +379,7 @@ class Pipe(ModelLike):
         ``with Pipe(...) as pipe:`` calls it on leaving the block.
         """
         if self._runner is not None:
+            self._release.detach()
             try:
                 self._settle_timeline()
             except PeerError:
@@ -388,6 +393,13 @@ class Pipe(ModelLike):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(runner: Any) -> None:
+    """What a dropped Pipe's finalizer runs: the runner's local release."""
+    release = getattr(runner, "release", None)
+    if release is not None:
+        release()
 
 
 def _check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:

@@ -50,3 +50,30 @@ def silent_during_every_call(rank: int, world: int) -> list[tuple[str, str, floa
     save_state_dict({"weight": torch.zeros(3)}, f"/tmp/pipesched-bounded-{rank}.pt")
     outcomes.append(("save_state_dict", "returned", time.monotonic() - started))
     return outcomes
+
+
+def dropped_pipes(rank: int, world: int, count: int) -> tuple[int, int]:
+    """Build and drop ``count`` Pipes without close(), a step each: open descriptors before
+    and after."""
+    import gc
+    import os
+
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+
+    def descriptors() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+
+    Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD).step(
+        x if rank == 0 else None, y if rank == world - 1 else None)
+    before = descriptors()
+    for _ in range(count):
+        pipe = Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+        pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
+        del pipe
+    dist.barrier()
+    return before, descriptors()

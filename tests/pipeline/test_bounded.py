@@ -20,3 +20,8 @@ def test_a_silent_peer_bounds_every_call_by_the_timeout() -> None:
         assert seconds < 10, (name, outcome, seconds)
         if name in ("gather_state_dict", "step", "predict"):
             assert outcome.startswith("PeerError"), (name, outcome)
+
+
+def test_pipes_dropped_without_close_release_their_descriptors() -> None:
+    for before, after in run_ranks(bounded_workers.dropped_pipes, 2, 20, timeout=180):
+        assert after <= before + 5, (before, after)  # 5 a Pipe before: 100 more
