@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -91,16 +92,23 @@ def _shared_across_stages(
 
 def _free_remote_layers(model: nn.Sequential, local_layers: Sequence[int],
                         shared: dict[int, SharedParameter]) -> None:
-    """Move the layers this rank does not run to ``meta``, keeping parameters local layers share.
+    """Move the layers this rank does not run to ``meta``, keeping what local layers share.
 
     ``Module.to`` converts a parameter in place, so a head tied to a local embedding
     would take the embedding with it: the remote layer gets a meta placeholder instead.
+    A module object that a local layer holds too (one block at several positions, ALBERT
+    style) is replaced at the remote position by a meta copy, never moved itself.
     """
     local = set(local_layers)
     kept = {key for key, info in shared.items() if local.intersection(info.layers)}
+    local_modules = {id(module) for index in local for module in model[index].modules()}
     for index, layer in enumerate(model):
         if index in local:
             continue
+        if id(layer) in local_modules:
+            model[index] = _meta_copy(layer)
+            continue
+        _detach_shared_children(layer, local_modules)
         for module in layer.modules():
             for name, parameter in list(module._parameters.items()):
                 if parameter is not None and id(parameter) in kept:
@@ -108,6 +116,23 @@ def _free_remote_layers(model: nn.Sequential, local_layers: Sequence[int],
                         torch.empty_like(parameter, device="meta"), parameter.requires_grad
                     )
         layer.to("meta")  # frees what this rank does not run
+
+
+def _detach_shared_children(layer: nn.Module, local_modules: set[int]) -> None:
+    """Replace, inside a remote layer, every submodule a local layer holds by a meta copy."""
+    for parent in list(layer.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in local_modules:
+                parent._modules[name] = _meta_copy(child)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose tensors are on ``meta`` (nothing allocated, nothing shared)."""
+    memo = {id(t): torch.empty_like(t, device="meta") for t in
+            [*module.parameters(), *module.buffers()]}
+    for parameter in module.parameters():
+        memo[id(parameter)] = nn.Parameter(memo[id(parameter)], parameter.requires_grad)
+    return copy.deepcopy(module, memo)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from pipeline.shared import check_keys, check_ties_kept
+
 
 Same = TypeVar("Same", bound="ModelLike")
 
@@ -21,6 +23,7 @@ class ModelLike:
 
     model: nn.Sequential
     _runner: Any
+    _ties: list[tuple[str, ...]]  # the model's tied keys, read before any rank freed a layer
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this process holds (all of them in one process), each once; after
@@ -50,7 +53,21 @@ class ModelLike:
         return self._runner.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped)."""
+        """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped).
+
+        Checked alike on every rank, so that every rank raises or none does: with
+        ``strict``, missing and unexpected keys (of the whole model where the state has
+        keys of other ranks' layers); always, a state that gives one shared parameter (a
+        head tied to the embedding) two values.
+
+        Raises:
+            ValueError: keys missing or unexpected (strict), or a tie the state would break.
+        """
+        check_ties_kept(self._ties, state)
+        if strict:
+            local = range(len(self.model)) if self._runner is None else getattr(
+                self._runner, "local_layers", range(len(self.model)))
+            check_keys(self.model, state, list(local))
         if self._runner is None:
             self.model.load_state_dict(state, strict=strict)
         else:

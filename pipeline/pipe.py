@@ -28,6 +28,7 @@ from pipeline.options import (
     resolve_devices,
 )
 from pipeline.runner import PendingTimeline
+from pipeline.shared import tied_keys
 from pipeline.stage import ChunkOptions
 from pipeline.transports.base import PeerError
 
@@ -150,6 +151,7 @@ class Pipe(ModelLike):
         self._balance_request = balance
         self._balance = self._resolve_balance(sample)
         self._runner: Any = None
+        self._ties = tied_keys(self.model)
         self._timeline: Timeline | None = None
         self._pending: PendingTimeline | None = None  # the last step's, until read
         # The last few steps' measured timelines (rank 0 with a group), which refine predict().
