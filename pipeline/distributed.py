@@ -39,6 +39,7 @@ from pipeline.runner import (
 from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.transports import make_transport
 from pipeline.transports.base import PeerError
+from pipeline.transports.wire import call_stamp
 
 
 def _materialise(layers: nn.Sequential, device: torch.device,
@@ -212,6 +213,7 @@ class DistRunner:
         self.memory: tuple[MemoryReport, ...] = ()
         self._broken: str | None = None  # why this rank's group can no longer be used
         self.meter: StepMeter | None = None  # set one to account for each step's time
+        self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
 
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
@@ -248,7 +250,9 @@ class DistRunner:
         self._check_usable()
         meter = None if infer else self.meter
         beginning = time.perf_counter()
-        self.transport.begin_step(self.plans.forward if infer else self.plans.training, self.stage)
+        self._calls += 1
+        self.transport.begin_step(self.plans.forward if infer else self.plans.training, self.stage,
+                                  call_stamp(self._calls, not infer))
         if meter is not None:  # posting the first receives
             meter.post += time.perf_counter() - beginning
         try:

@@ -37,8 +37,9 @@ class PipelineAborted(RuntimeError):
 class Transport(Protocol):
     """One stage's end of the pipeline's communication."""
 
-    def begin_step(self, plan: CommPlan, stage: int) -> None:
-        """Get ready for a step that runs ``plan.stages[stage]``."""
+    def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
+        """Get ready for a step that runs ``plan.stages[stage]``; ``call`` is the Pipe call's
+        stamp (``wire.call_stamp``) its messages carry and must arrive with."""
 
     def post(self, group: Group, outgoing: Mapping[ActionKey, Payload]) -> None:
         """Start the group's operations: send ``outgoing[op.key]`` for each send op,

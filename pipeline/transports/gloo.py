@@ -60,6 +60,7 @@ from pipeline.payload import from_wire, to_wire
 from pipeline.transports.base import KeyedTransport, PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
+    CALL_SLOT,
     FAILED,
     HEADER_BYTES,
     MAX_MESSAGE_BYTES,
@@ -68,12 +69,14 @@ from pipeline.transports.wire import (
     HeaderError,
     BufferPool,
     Metas,
+    check_call,
     decode_failure,
     decode_header,
     encode_failure,
     encode_header,
     message_size,
     pack,
+    stamp_call,
     unpack,
 )
 
@@ -132,6 +135,7 @@ class GlooTransport(KeyedTransport):
         # step of tiny layers 14 -> 12.4 ms); large ones only ``lookahead`` at a time, so
         # that receive buffers stay bounded.
         self.ahead_bytes = AHEAD_BYTES
+        self._call = 0  # the stamp of the call under way (wire.call_stamp)
         self._posted_bytes = 0
         # Sharing cores with its peers, a rank yields after each send: the receiving thread
         # our send woke tends to be queued on this core, behind our next action, for a
@@ -157,8 +161,10 @@ class GlooTransport(KeyedTransport):
         # repeats byte for byte is not decoded (nor bounds-checked) again.
         self._decoded: dict[tuple[ActionKey, int], tuple[bytes, int, Metas]] = {}
 
-    def begin_step(self, plan: CommPlan, stage: int) -> None:
-        """Note this step's receives (to post ahead, in plan order) and the messages owed."""
+    def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
+        """Note this step's receives (to post ahead, in plan order), the messages owed, and
+        the call its messages carry (``wire.call_stamp``)."""
+        self._call = call
         known = self._plans.get((id(plan), stage))
         if known is None or known[0] is not plan:
             receives = tuple((op.key, op.peer) for op in plan.receives(stage))
@@ -239,6 +245,7 @@ class GlooTransport(KeyedTransport):
         self._release_sent()
         message = self.send_pool.take(message_size(metas))
         pack(header, tensors, message)
+        stamp_call(message, self._call)
         if predicted == metas:
             self._isend(key, destination, message, False)
         else:
@@ -246,6 +253,7 @@ class GlooTransport(KeyedTransport):
             notice = self.send_pool.take(HEADER_BYTES if predicted is None else message_size(predicted))
             notice[:HEADER_BYTES].view(torch.int64).copy_(header)
             notice[:8].view(torch.int64).fill_(NEXT)
+            stamp_call(notice, self._call)
             self._isend(key, destination, notice, False)
             self._isend(key, destination, message, True)
         owed = self._owed.get(key)
@@ -295,6 +303,9 @@ class GlooTransport(KeyedTransport):
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
         if status not in (OK, NEXT):
             raise self._corrupt(source, f"status {status}")
+        mismatch = check_call(header, self._call, self.stage, self.stage_ranks[source])
+        if mismatch is not None:
+            raise PeerError(mismatch, self.stage_ranks[self.stage])
         kind, metas = self._decode(key, source, header)
         if status == NEXT:
             buffer, work = self._post(key, source, message_size(metas), True)
@@ -312,7 +323,7 @@ class GlooTransport(KeyedTransport):
 
     def _decode(self, key: ActionKey, source: int, header: torch.Tensor) -> tuple[int, Metas]:
         """``decode_header``, skipped when the header is the one this message had last time."""
-        raw = header.numpy().tobytes()
+        raw = header[CALL_SLOT + 1:].numpy().tobytes()  # the same every call
         last = self._decoded.get((key, source))
         if last is not None and last[0] == raw:
             return last[1], last[2]

@@ -79,7 +79,8 @@ class LocalEndpoint(KeyedTransport):
         self.device = transport.devices[stage]
         self._sources: dict[ActionKey, int] = {}
 
-    def begin_step(self, plan: CommPlan, stage: int) -> None:
+    def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
+        # Stages of one process run every call together: no call can cross another.
         self._sources = {op.key: op.peer for op in plan.receives(stage)}
 
     def finish(self) -> None:

@@ -34,12 +34,14 @@ from pipeline.payload import from_wire, to_wire
 from pipeline.transports.base import Payload, PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
+    CALL_SLOT,
     FAILED,
     HEADER_SLOTS,
     MAX_MESSAGE_BYTES,
     OK,
     BufferPool,
     HeaderError,
+    check_call,
     decode_failure,
     decode_header,
     encode_failure,
@@ -87,8 +89,10 @@ class OrderedTransport:
         self._received: dict[ActionKey, Payload] = {}
         self._in_flight: list[tuple[CommOp, Any, torch.Tensor]] = []  # posted, not yet waited on
         self._owed: list[CommOp] = []
+        self._call = 0  # the stamp of the call under way (wire.call_stamp)
 
-    def begin_step(self, plan: CommPlan, stage: int) -> None:
+    def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
+        self._call = call  # stamped on every header sent, checked on every one received
         self._received = {}
         self._owed = list(plan.sends(stage))
 
@@ -102,7 +106,9 @@ class OrderedTransport:
             kind, tensors = to_wire(outgoing[op.key])
             tensors = [t.to(self.device).contiguous() for t in tensors]
             metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-            header = encode_header(metas, kind).to(self.device)
+            header = encode_header(metas, kind)
+            header[CALL_SLOT] = self._call
+            header = header.to(self.device)
             message = torch.empty(message_size(metas), dtype=torch.uint8, device=self.device)
             pack(header, tensors, message)
             outbound += [(op, header, True), (op, message, False)]
@@ -171,6 +177,9 @@ class OrderedTransport:
             raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
         if status != OK:
             raise self._corrupt(op, f"status {status}")
+        mismatch = check_call(header, self._call, self.stage, self.stage_ranks[op.peer])
+        if mismatch is not None:
+            raise PeerError(mismatch, self.stage_ranks[self.stage])
         try:
             return decode_header(header, self.max_message_bytes)
         except HeaderError as error:

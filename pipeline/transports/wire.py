@@ -1,6 +1,7 @@
 """The wire format of the distributed transports: headers, and tensors packed into one buffer.
 
-A message is a small int64 header (status, origin rank, the payload's kind: one
+A message is a small int64 header (status, the sender's call, or the origin rank of a
+failure; the payload's kind: one
 tensor, a tuple of tensors, or any other structure, whose shape and non-tensor
 leaves then travel as a last uint8 "tensor"; and the dtype and shape of each
 tensor), then each tensor's bytes, each
@@ -10,6 +11,11 @@ of the buffer. A failure's header carries the error's text instead of shapes.
 
 Every field read from a header is checked against its bounds (``HeaderError``):
 a corrupt or hostile header must not allocate terabytes or read past its message.
+
+Every message says which call of its Pipe sent it (``stamp_call``): the n-th call
+(``step``, ``pipe(x)``) of the sender and whether it trains. A receiver in another
+call (a validation pass that one rank ran alone) refuses the message
+(``check_call``) instead of training on another call's activations.
 """
 
 from __future__ import annotations
@@ -102,6 +108,34 @@ def decode_header(header: torch.Tensor, limit: int = MAX_MESSAGE_BYTES) -> tuple
     if size > limit:
         raise HeaderError(f"the header announces {size} bytes, more than the limit of {limit}")
     return kind, tuple(metas)
+
+
+CALL_SLOT = 1  # an OK or NEXT header's call; a failure's origin rank
+
+
+def call_stamp(count: int, training: bool) -> int:
+    """The stamp of a Pipe's ``count``-th call (counted on every rank alike)."""
+    return 2 * count + int(training)
+
+
+def describe_call(stamp: int) -> str:
+    return f"call {stamp // 2} ({'a training step' if stamp % 2 else 'an inference call'})"
+
+
+def stamp_call(buffer: torch.Tensor, stamp: int) -> None:
+    """Write ``stamp`` into the header at the start of the uint8 ``buffer``."""
+    buffer[8 * CALL_SLOT: 8 * CALL_SLOT + 8].view(torch.int64).fill_(stamp)
+
+
+def check_call(header: torch.Tensor, expected: int, stage: int, rank: int) -> str | None:
+    """Why a message with this (CPU) header cannot belong to the receiver's call, or None."""
+    stamp = int(header[CALL_SLOT])
+    if stamp == expected:
+        return None
+    return (f"stage {stage} received, during its {describe_call(expected)}, a message that "
+            f"rank {rank} sent during its {describe_call(stamp)}: the ranks made different "
+            f"calls (every rank must call step() and pipe(x) alike; a validation pass on one "
+            f"rank only?)")
 
 
 def encode_failure(origin: int, reason: str) -> torch.Tensor:

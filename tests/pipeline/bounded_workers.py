@@ -77,3 +77,30 @@ def dropped_pipes(rank: int, world: int, count: int) -> tuple[int, int]:
         del pipe
     dist.barrier()
     return before, descriptors()
+
+
+def lone_validation(rank: int, world: int, transport: str) -> list[tuple[str, str, float]]:
+    """Rank 0 runs pipe(x_val) alone, then both ranks step. Per call: (call, outcome, seconds);
+    last, whether every gradient is still None."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    pipe = Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
+                group=dist.group.WORLD, transport=transport)
+    calls = {"step": lambda: pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)}
+    if rank == 0:
+        calls = {"pipe(x)": lambda: pipe(x), **calls}
+    outcomes = []
+    for name, call in calls.items():
+        started = time.monotonic()
+        try:
+            call()
+            outcome = "finished"
+        except Exception as error:  # noqa: BLE001 - what the test inspects
+            outcome = f"{type(error).__name__}: {error}"
+        outcomes.append((name, outcome, time.monotonic() - started))
+    untouched = all(p.grad is None for p in pipe.parameters())
+    dist.barrier(dist.new_group(list(range(world))))  # neither leaves while the other waits
+    return [*outcomes, ("gradients untouched", str(untouched), 0.0)]

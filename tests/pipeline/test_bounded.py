@@ -7,6 +7,8 @@ Rank 1 builds four Pipes (``timeout=3``) and goes silent for 16 s; rank 0 calls
 
 from __future__ import annotations
 
+import pytest
+
 import bounded_workers
 from dist_harness import run_ranks
 
@@ -25,3 +27,17 @@ def test_a_silent_peer_bounds_every_call_by_the_timeout() -> None:
 def test_pipes_dropped_without_close_release_their_descriptors() -> None:
     for before, after in run_ranks(bounded_workers.dropped_pipes, 2, 20, timeout=180):
         assert after <= before + 5, (before, after)  # 5 a Pipe before: 100 more
+
+
+@pytest.mark.parametrize("transport", ["gloo", "ordered"])
+def test_a_call_one_rank_makes_alone_is_an_error_on_every_rank(transport: str) -> None:
+    """Rank 0 validates alone (pipe(x)), then both step: no rank trains on the other call's
+    activations; each rank's calls end within 10 s, each rank gets an error, and no gradient
+    was touched."""
+    first, second = run_ranks(bounded_workers.lone_validation, 2, transport, timeout=120)
+    for calls in (first, second):
+        *outcomes, (_, untouched, _) = calls
+        assert untouched == "True", calls
+        assert all(seconds < 10 for _, _, seconds in outcomes), calls
+        assert any(outcome.startswith("PeerError") for _, outcome, _ in outcomes), calls
+    assert "made different calls" in second[0][1], second
