@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.input_shape)
     memory_limit = _size("--memory-limit", args.memory_limit)
-    bandwidth = _size("--bandwidth", args.bandwidth)
+    bandwidth = _size("--bandwidth", args.bandwidth, rate=True)
     if args.chunks != "auto" and args.chunks < 1:
         raise UsageError(f"--chunks must be >= 1, got {args.chunks}")
     if args.stages < 1:
@@ -203,11 +203,12 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
     return 0
 
 
-def _size(flag: str, text: str | None) -> float | None:
+def _size(flag: str, text: str | None, rate: bool = False) -> float | None:
+    """Bytes (``--memory-limit 2GiB``), or bytes a second with ``rate`` (``--bandwidth 1GB/s``)."""
     if text is None:
         return None
     try:
-        return parse_bytes(text.removesuffix("/s"))
+        return parse_bytes(text.removesuffix("/s") if rate else text)
     except ValueError as error:
         raise UsageError(f"{flag}: {error}") from None
 

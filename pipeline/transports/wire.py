@@ -63,7 +63,12 @@ class HeaderError(ValueError):
 def encode_header(metas: Metas, kind: int) -> torch.Tensor:
     """The header describing tensors of these (dtype, shape)s, for a payload of ``kind``."""
     if len(metas) > MAX_TENSORS:
-        raise ValueError(f"a stage may pass at most {MAX_TENSORS} tensors, got {len(metas)}")
+        # A structured payload's shape takes a slot of its own: count what the user passed.
+        extra = int(kind == STRUCTURED)
+        raise ValueError(
+            f"a stage may pass at most {MAX_TENSORS - extra} tensors"
+            f"{' in a structure (its shape travels in one more slot)' if extra else ''}, "
+            f"got {len(metas) - extra}")
     values = [OK, 0, int(kind), len(metas)]
     for dtype, shape in metas:
         if len(shape) > MAX_DIMS or dtype not in _DTYPES:

@@ -93,6 +93,8 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
         (["m:f", "--input-shape", "4", "--stages", "0"], "--stages must be >= 1, got 0"),
         (["m:f", "--input-shape", "4;0,2", "--stages", "1"], "malformed --input-shape"),
         (["m:f", "--input-shape", "4", "--stages", "1", "--memory-limit", "8XB"], "--memory-limit"),
+        (["m:f", "--input-shape", "4", "--stages", "1", "--memory-limit", "2GiB/s"],
+         "--memory-limit: expected a size"),
         (["m:f", "--input-shape", "4", "--stages", "1", "--chunks", "0"], "--chunks must be >= 1"),
         (["cli_factories:NOT_CALLABLE", "--input-shape", "4", "--stages", "1"],
          "expected a callable"),

@@ -107,3 +107,18 @@ def own_state_roundtrip(rank: int, world: int) -> str:
                 balance=[2, 1])
     pipe.load_state_dict(pipe.state_dict())
     return "loaded"
+
+
+def unknown_key_everywhere(rank: int, world: int) -> str:
+    """Load the whole model's state plus an unknown key, strict: every rank raises."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    pipe = Pipe(mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD,
+                balance=[2, 1])
+    state = {**mlp().state_dict(), "2.scale": torch.ones(1)}
+    try:
+        pipe.load_state_dict(state)
+    except ValueError as error:
+        return str(error)
+    return "loaded"

@@ -32,3 +32,8 @@ def test_strict_loading_raises_on_every_rank_where_a_key_is_missing() -> None:
 
 def test_a_rank_loads_back_its_own_state_strictly() -> None:
     assert run_ranks(shared_workers.own_state_roundtrip, 2) == ["loaded", "loaded"]
+
+
+def test_strict_loading_raises_on_every_rank_where_a_key_is_unknown() -> None:
+    for message in run_ranks(shared_workers.unknown_key_everywhere, 2):
+        assert "unexpected ['2.scale']" in message

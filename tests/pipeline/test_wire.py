@@ -15,6 +15,7 @@ from pipeline.transports.wire import (
     MAX_MESSAGE_BYTES,
     MAX_TENSORS,
     TENSOR,
+    STRUCTURED,
     TUPLE,
     HeaderError,
     BufferPool,
@@ -57,6 +58,11 @@ def test_message_size_aligns_every_tensor() -> None:
 def test_too_many_tensors_or_dims_are_clear_errors() -> None:
     with pytest.raises(ValueError, match=f"at most {MAX_TENSORS} tensors, got {MAX_TENSORS + 1}"):
         encode_header(((torch.float32, (1,)),) * (MAX_TENSORS + 1), TUPLE)
+    # A list of 16 tensors is a structure: its shape takes the 17th slot, and the message
+    # counts the user's 16.
+    with pytest.raises(ValueError, match=f"at most {MAX_TENSORS - 1} tensors in a structure .*"
+                                         f"got {MAX_TENSORS}"):
+        encode_header(((torch.float32, (1,)),) * (MAX_TENSORS + 1), STRUCTURED)
     with pytest.raises(ValueError, match=r"at most 8 dims .* shape \(1, 1, 1, 1, 1, 1, 1, 1, 1\)"):
         encode_header(((torch.float32, (1,) * 9),), TENSOR)
 
