@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,13 +19,8 @@ from pipeline.memory import ActivationTracker, MemoryReport
 from pipeline.microbatch import to_device
 from pipeline.process_groups import clock_offset
 from pipeline.slicing import build_chunks
-from pipeline.shared import (
-    SharedParameter,
-    chunk_layers,
-    shared_parameters,
-    stages_using,
-    unique,
-)
+from pipeline.remote_layers import free_remote_layers, shared_across_stages
+from pipeline.shared import chunk_layers, shared_parameters, unique
 from pipeline.step_state import StepState
 from pipeline.runner import (
     Plans,
@@ -59,101 +52,6 @@ def _materialise(layers: nn.Sequential, device: torch.device,
                 reset()
 
 
-def _shared_across_stages(
-    model: nn.Sequential, balance: Sequence[int], schedule: Schedule, local_layers: Sequence[int],
-    shared: dict[int, SharedParameter],
-) -> tuple[list[_Synced], dict[int, int]]:
-    """The parameters used on several stages, and each shared parameter's owner stage.
-
-    Their gradients are summed across those stages after each step (the same list, in
-    model order, on every rank); each is counted once, on its first user's stage, when
-    clipping.
-
-    Raises:
-        ValueError: such parameters in a model on the meta device (materialising each
-            rank's layers would untie them).
-    """
-    local = set(local_layers)
-    ordered = [p for p in unique(model.parameters()) if id(p) in shared]
-    synced = [
-        _Synced(p if local.intersection(shared[id(p)].layers) else None, tuple(p.shape), p.dtype)
-        for p in ordered if len(stages_using(shared[id(p)], balance, schedule.placement)) > 1
-    ]
-    if synced and any(p.is_meta for p in model.parameters()):
-        names = ", ".join(shared[id(p)].name for p in ordered)
-        raise ValueError(
-            f"a model on the meta device with parameters shared across stages ({names}) is "
-            f"not supported yet: materialising each rank's layers would untie them; build "
-            f"the model on the CPU, or cut it so that the tied layers share a stage"
-        )
-    owner_stage = {id(p): schedule.placement[_chunk_of(shared[id(p)].owner, balance)]
-                   for p in ordered}
-    return synced, owner_stage
-
-
-def _free_remote_layers(model: nn.Sequential, local_layers: Sequence[int],
-                        shared: dict[int, SharedParameter]) -> None:
-    """Move the layers this rank does not run to ``meta``, keeping what local layers share.
-
-    ``Module.to`` converts a parameter in place, so a head tied to a local embedding
-    would take the embedding with it: the remote layer gets a meta placeholder instead.
-    A module object that a local layer holds too (one block at several positions, ALBERT
-    style) is replaced at the remote position by a meta copy, never moved itself.
-    """
-    local = set(local_layers)
-    kept = {key for key, info in shared.items() if local.intersection(info.layers)}
-    local_modules = {id(module) for index in local for module in model[index].modules()}
-    for index, layer in enumerate(model):
-        if index in local:
-            continue
-        if id(layer) in local_modules:
-            model[index] = _meta_copy(layer)
-            continue
-        _detach_shared_children(layer, local_modules)
-        for module in layer.modules():
-            for name, parameter in list(module._parameters.items()):
-                if parameter is not None and id(parameter) in kept:
-                    module._parameters[name] = nn.Parameter(
-                        torch.empty_like(parameter, device="meta"), parameter.requires_grad
-                    )
-        layer.to("meta")  # frees what this rank does not run
-
-
-def _detach_shared_children(layer: nn.Module, local_modules: set[int]) -> None:
-    """Replace, inside a remote layer, every submodule a local layer holds by a meta copy."""
-    for parent in list(layer.modules()):
-        for name, child in list(parent._modules.items()):
-            if child is not None and id(child) in local_modules:
-                parent._modules[name] = _meta_copy(child)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose tensors are on ``meta`` (nothing allocated, nothing shared)."""
-    memo = {id(t): torch.empty_like(t, device="meta") for t in
-            [*module.parameters(), *module.buffers()]}
-    for parameter in module.parameters():
-        memo[id(parameter)] = nn.Parameter(memo[id(parameter)], parameter.requires_grad)
-    return copy.deepcopy(module, memo)
-
-
-@dataclass(frozen=True)
-class _Synced:
-    """A parameter used on several stages: this rank's copy (None if it holds none), its shape."""
-
-    parameter: nn.Parameter | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _chunk_of(layer: int, balance: Sequence[int]) -> int:
-    total = 0
-    for chunk, count in enumerate(balance):
-        total += count
-        if layer < total:
-            return chunk
-    raise ValueError(f"layer {layer} is beyond the {total} layers of the balance")
-
-
 class DistRunner:
     """This rank's stage: its chunks, its transport, and the step's collectives."""
 
@@ -181,9 +79,9 @@ class DistRunner:
         layers_of = chunk_layers(balance)
         self.local_layers = [i for c in schedule.chunks_of_stage[self.stage] for i in layers_of[c]]
         self.shared = shared_parameters(model)
-        self.synced, owner_stage = _shared_across_stages(model, balance, schedule,
+        self.synced, owner_stage = shared_across_stages(model, balance, schedule,
                                                          self.local_layers, self.shared)
-        _free_remote_layers(model, self.local_layers, self.shared)
+        free_remote_layers(model, self.local_layers, self.shared)
         for c in schedule.chunks_of_stage[self.stage]:
             _materialise(nn.Sequential(*[model[i] for i in layers_of[c]]), device, init_fn)
         self.counted = [

@@ -215,6 +215,9 @@ class LocalRunner:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
 
+    def release(self) -> None:
+        """Nothing outlives a step here: its threads end with it."""
+
     def close(self) -> None:
         for stream in self.streams:
             if stream is not None:

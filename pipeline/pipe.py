@@ -113,9 +113,11 @@ class Pipe(ModelLike):
         sample_target: Any = None,
     ) -> None:
         if group is not None:  # first, before anything that could raise on some ranks only
-            _check_ranks_agree(group, timeout, chunks=chunks, schedule=schedule, balance=balance,
-                               checkpoint=checkpoint, stages=stages,
-                               schedule_options=schedule_options)
+            from pipeline.process_groups import check_ranks_agree
+
+            check_ranks_agree(group, timeout, chunks=chunks, schedule=schedule, balance=balance,
+                              checkpoint=checkpoint, stages=stages,
+                              schedule_options=schedule_options)
         self.model = check_model(model)
         self.timeout = timeout
         self._closed = False
@@ -181,7 +183,7 @@ class Pipe(ModelLike):
             )
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
-        self._release = weakref.finalize(self, _release, self._runner)
+        self._release = weakref.finalize(self, self._runner.release)
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
         def resolve() -> list[int] | None:
@@ -395,20 +397,3 @@ class Pipe(ModelLike):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _release(runner: Any) -> None:
-    """What a dropped Pipe's finalizer runs: the runner's local release."""
-    release = getattr(runner, "release", None)
-    if release is not None:
-        release()
-
-
-def _check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:
-    """Raise on every rank unless every rank passed the same ``arguments``."""
-    from pipeline.process_groups import check_agreement, schedule_digest
-
-    schedule = arguments["schedule"]
-    if isinstance(schedule, Schedule):
-        arguments["schedule"] = schedule_digest(schedule)
-    check_agreement(group, timeout, **arguments)

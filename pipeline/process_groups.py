@@ -97,3 +97,12 @@ def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
         if rank in ranks:
             data_group = group
     return pipeline_group, data_group
+
+
+def check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:
+    """Raise on every rank unless every rank passed the same ``arguments`` (a Schedule is
+    compared by its digest)."""
+    schedule = arguments.get("schedule")
+    if isinstance(schedule, Schedule):
+        arguments["schedule"] = schedule_digest(schedule)
+    check_agreement(group, timeout, **arguments)

@@ -268,9 +268,8 @@ def _resolve(costs: Costs, schedule: Schedule) -> ResolvedCosts:
     fixed_chunk = per_chunk("fixed_bytes", costs.fixed_bytes)
     saved = None if costs.activation_bytes is None else per_chunk(
         "activation_bytes", costs.activation_bytes)
-    kept_for_w = saved
-    if saved is not None and costs.weight_bytes is not None:
-        kept_for_w = per_chunk("weight_bytes", costs.weight_bytes)
+    kept_for_w = saved if saved is None or costs.weight_bytes is None else per_chunk(
+        "weight_bytes", costs.weight_bytes)
     return ResolvedCosts(
         compute=tuple(compute),
         scale=tuple(scale),

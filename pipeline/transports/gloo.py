@@ -162,8 +162,7 @@ class GlooTransport(KeyedTransport):
         self._decoded: dict[tuple[ActionKey, int], tuple[bytes, int, Metas]] = {}
 
     def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
-        """Note this step's receives (to post ahead, in plan order), the messages owed, and
-        the call its messages carry (``wire.call_stamp``)."""
+        """Note this step's receives (to post ahead), the messages owed, the call's stamp."""
         self._call = call
         known = self._plans.get((id(plan), stage))
         if known is None or known[0] is not plan:
