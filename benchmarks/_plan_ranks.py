@@ -245,7 +245,7 @@ def grid_plan(workload: Workload, hop: Link) -> Grid:
     checkpoint mode, cuts by time and under memory) for the smallest limit it can meet;
     every rank gets both."""
 
-    def make() -> Grid:
+    def make() -> tuple[Plan, float]:  # what may cross ranks: the library's own classes
         costs = profiled_costs(workload)
         options: dict[str, Any] = {"hop": hop, "prune": False,
                                    "action_overhead": action_overhead(torch.device("cpu"))}
@@ -254,10 +254,11 @@ def grid_plan(workload: Workload, hop: Link) -> Grid:
         try:  # a limit nothing meets: the planner names the least it can meet
             plan(costs, STAGES, workload.rows, memory_limit=1, **options)
         except MemoryLimitError as error:
-            return Grid(grid, float(error.smallest_limit))
+            return grid, float(error.smallest_limit)
         raise AssertionError("a plan fitted in one byte per stage")
 
-    return on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")  # type: ignore[no-any-return]
+    found, leanest = on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")
+    return Grid(found, leanest)
 
 
 def schedule_label(candidate: Any) -> str:

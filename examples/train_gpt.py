@@ -24,7 +24,6 @@ import argparse
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from tqdm import tqdm
 
 from gpt import gpt, lm_loss  # examples/gpt.py, beside this script
 from pipeline import Pipe, gather_state_dict
+from pipeline.collectives import broadcast_object, gather_objects
 
 MODULES = ("argparse.py", "textwrap.py", "functools.py", "heapq.py", "string.py",
            "difflib.py", "fractions.py", "statistics.py", "dataclasses.py", "enum.py")
@@ -83,13 +83,12 @@ def compare_step(pipe: Pipe, model: nn.Sequential, reference: nn.Sequential | No
                  loss: float, x: torch.Tensor, y: torch.Tensor) -> str | None:
     """Rank 0: the same step unpipelined. Returns, on every rank, a problem or None."""
     state = gather_state_dict(pipe)
-    pieces: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(layer_grads(model), pieces, dst=0)
-    verdict: list[str | None] = [None]
-    if reference is not None and state is not None and pieces is not None:
-        verdict[0] = _check_against(reference, state, pieces, loss, x, y)
-    dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]
+    group, what = dist.group.WORLD, "comparing with the unpipelined model"
+    pieces = gather_objects(layer_grads(model), group, pipe.timeout, what)  # never pickled
+    verdict = None
+    if reference is not None and state is not None:
+        verdict = _check_against(reference, state, pieces, loss, x, y)
+    return broadcast_object(verdict, 0, group, pipe.timeout, what)
 
 
 def _check_against(reference: nn.Sequential, state: dict[str, torch.Tensor],

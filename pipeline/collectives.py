@@ -4,21 +4,24 @@ torch.distributed's collectives wait for the process group's own timeout (30
 minutes by default) unless asked otherwise. Each helper here posts the
 collective asynchronously and waits at most ``timeout`` seconds, then names the
 collective and the group's size in the error.
+
+The values ranks share (settings, a plan, measured costs) cross as
+``pipeline.values`` encodes them, never pickled: a value that may not cross is
+refused at its sender, and every rank raises.
 """
 
 from __future__ import annotations
 
-import copyreg
-import io
-import pickle
-import types
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipeline.structure import StructureError, short
 from pipeline.transports.base import PeerError
+from pipeline.values import MAX_MESSAGE_BYTES, decode, encode
+_REFUSALS = {1: TypeError, 2: ValueError}  # a rank's status in the size gather, when not 0
 
 
 def wait(work: Any, what: str, group: Any, timeout: float) -> None:
@@ -57,15 +60,39 @@ def barrier(group: Any, timeout: float, what: str) -> None:
 
 def gather_objects(value: Any, group: Any, timeout: float, what: str,
                    device: torch.device | None = None) -> list[Any]:
-    """Every rank's ``value`` (picklable), on every rank, in group-rank order."""
+    """Every rank's ``value``, on every rank, in group-rank order (two all-gathers: the sizes,
+    then the messages). ``value`` may hold what ``encode`` takes: plain data, tensors (they
+    arrive on the CPU) and the classes of ``crosses()``.
+
+    Raises:
+        TypeError, ValueError: on every rank, when a rank's value may not cross (``encode``);
+            the message names that rank and where the value went wrong.
+        StructureError: a rank sent bytes that ``encode`` never writes (a ``ValueError``).
+        PeerError: a rank did not take part within ``timeout``.
+    """
     device = device or torch.device("cpu")
-    data = torch.frombuffer(bytearray(_dumps(value)), dtype=torch.uint8).to(device)
-    sizes = all_gather(torch.tensor([data.numel()], device=device), group, timeout, what)
-    longest = int(max(int(size) for size in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
+    status, refusal = 0, None
+    try:
+        data = encode(value)
+    except (TypeError, ValueError) as error:  # sent in place of the value: every rank raises
+        status, refusal = (1 if isinstance(error, TypeError) else 2), error
+        data = str(error).encode()[: 1 << 16]
+    header = torch.tensor([len(data), status], dtype=torch.int64, device=device)
+    headers = [row.tolist() for row in all_gather(header, group, timeout, what)]
+    if any(not 0 <= size <= MAX_MESSAGE_BYTES or flag not in (0, *_REFUSALS)
+           for size, flag in headers):
+        raise StructureError(f"expected sizes of at most {MAX_MESSAGE_BYTES} bytes and a status "
+                             f"among 0, 1, 2 from every rank for {what}, got {short(headers)}")
+    padded = torch.zeros(max(size for size, _ in headers), dtype=torch.uint8, device=device)
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     rows = all_gather(padded, group, timeout, what)
-    return [pickle.loads(row[: int(size)].cpu().numpy().tobytes()) for row, size in zip(rows, sizes)]
+    blobs = [row[:size].cpu().numpy().tobytes() for row, (size, _) in zip(rows, headers)]
+    for rank, (_, flag) in enumerate(headers):
+        if flag:
+            raise _REFUSALS[flag](f"rank {rank} could not send its part of {what}: "
+                                  f"{blobs[rank].decode('utf-8', 'replace')}") from refusal
+    return [decode(blob) for blob in blobs]
 
 
 def broadcast_object(value: Any, source: int, group: Any, timeout: float, what: str,
@@ -73,18 +100,3 @@ def broadcast_object(value: Any, source: int, group: Any, timeout: float, what: 
     """``value`` of group rank ``source``, on every rank (one gather: small objects only)."""
     return gather_objects(value if dist.get_rank(group) == source else None, group, timeout,
                           what, device)[source]
-
-
-def _dumps(value: Any) -> bytes:
-    """``pickle.dumps`` that also takes read-only mappings (frozen dataclasses hold them)."""
-    stream = io.BytesIO()
-    pickler = pickle.Pickler(stream)
-    pickler.dispatch_table = {**copyreg.dispatch_table,
-                              types.MappingProxyType: lambda m: (read_only, (dict(m),))}
-    pickler.dump(value)
-    return stream.getvalue()
-
-
-def read_only(mapping: dict[Any, Any]) -> types.MappingProxyType[Any, Any]:
-    """Rebuilds a read-only mapping on the receiving rank (see ``_dumps``)."""
-    return types.MappingProxyType(mapping)

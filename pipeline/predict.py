@@ -31,7 +31,7 @@ from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, 
 from pipeline.contention import ChunkWork, contended, factor_across_ranks, slowed
 from pipeline.fixed_bytes import FixedBytes, fixed_bytes
 from pipeline.microbatch import batch_size, to_device
-from pipeline.payload import map_tensors
+from pipeline.payload import from_wire, map_tensors, to_wire
 from pipeline.probe import ChunkCosts, probe_chunk
 from pipeline.stage import ChunkRunner
 
@@ -286,15 +286,21 @@ def _chunk_input(chunk: int, inputs: list[Any] | None, carried: Any, largest: in
 
 def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: Any,
              timeout: float, device: torch.device) -> tuple[Any, str | None]:
-    """The producing rank's output (on the CPU) and any failure so far, on every rank."""
+    """The producing rank's output (on the CPU) and any failure so far, on every rank. The
+    output crosses as the runtime's payloads do (``to_wire``)."""
     from pipeline.collectives import gather_objects
 
-    value = (map_tensors(carried, lambda t: t.detach().cpu()) if mine and failure is None
-             else None, failure)
-    shared = gather_objects(value, group, timeout, "passing a chunk's output on for predict()",
-                            device)
+    wired = None
+    if mine and failure is None:
+        try:
+            wired = to_wire(map_tensors(carried, lambda t: t.detach().cpu()))
+        except (TypeError, ValueError) as error:  # shared below, as a failure
+            failure = f"{type(error).__name__}: {error}"
+    shared = gather_objects((wired, failure), group, timeout,
+                            "passing a chunk's output on for predict()", device)
     failures = [f for _, f in shared if f is not None]
-    return shared[source][0], (failures[0] if failures else None)
+    wired = shared[source][0]
+    return None if wired is None else from_wire(*wired), (failures[0] if failures else None)
 
 
 def _any_device(runner: Any) -> torch.device:

@@ -93,6 +93,7 @@ class LocalEndpoint(KeyedTransport):
         return None
 
     def send(self, key: ActionKey, destination: int, payload: Any) -> None:
+        _check_leaves(payload)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -113,3 +114,22 @@ class LocalEndpoint(KeyedTransport):
                     tensor.record_stream(stream)
             return moved
         return move(payload, self.device)
+
+
+_PLAIN = (type(None), bool, int, float, complex, str)
+
+
+def _check_leaves(payload: Any) -> None:
+    """Refuse a leaf autograd cannot see into: its tensors would get no gradient.
+
+    An object that is not a registered pytree node (an unregistered dataclass, say) is one
+    opaque leaf: the next stage would receive it, but the gradients of the tensors inside
+    would never flow back. Between ranks the same leaf is refused by ``to_wire``.
+    """
+    for leaf in flatten(payload).leaves:
+        if not isinstance(leaf, (torch.Tensor, *_PLAIN)):
+            raise TypeError(
+                f"a stage's output holds a {type(leaf).__module__}.{type(leaf).__qualname__}, "
+                f"which is not a pytree node: its tensors would get no gradient. Register it "
+                f"(torch.utils._pytree.register_dataclass, or register_pytree_node), or send "
+                f"tensors in tuples, lists or dicts")

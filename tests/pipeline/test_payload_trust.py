@@ -25,15 +25,8 @@ from torch.utils import _pytree as pytree
 
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.payload import (
-    MAX_DEPTH,
-    MAX_STRUCTURE_BYTES,
-    STRUCTURED,
-    StructureError,
-    decode_structure,
-    from_wire,
-    to_wire,
-)
+from pipeline.payload import STRUCTURED, from_wire, to_wire
+from pipeline.structure import MAX_DEPTH, MAX_STRUCTURE_BYTES, StructureError, decode_structure
 
 TOLERANCE = 1e-10
 SCHEDULES = ("1f1b", "zb-h1")
@@ -408,3 +401,37 @@ def test_an_unregistered_dataclass_is_refused_with_the_advice_on_every_rank() ->
         assert "output is a test_payload_trust.Loose" in message
         assert "register_dataclass(Loose) on every rank" in message
         assert seconds < 10  # the Pipe's timeout: refused, not waited out
+
+
+@dataclasses.dataclass
+class _Opaque:
+    hidden: torch.Tensor
+
+
+class _MakesOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Opaque:
+        return _Opaque(self.linear(x))
+
+
+class _TakesOpaque(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, box: _Opaque) -> torch.Tensor:
+        return self.linear(box.hidden)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_unregistered_dataclass_is_refused_in_one_process_too(schedule: str) -> None:
+    """One process passes objects as they are, but autograd cannot see into an unregistered
+    dataclass: its tensors would get no gradient (every checkpoint mode wrong), so it is
+    refused with the same advice."""
+    pipe = Pipe(nn.Sequential(_MakesOpaque(), _TakesOpaque()), 2, balance=[1, 1],
+                devices=["cpu", "cpu"], schedule=schedule, loss_fn=nn.MSELoss())
+    with pytest.raises(TypeError, match="_Opaque, which is not a pytree node.*register_dataclass"):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
