@@ -147,23 +147,27 @@ def probe_runner(chunk: ChunkRunner, checkpoint: str, tracked: bool) -> ChunkRun
 
 
 def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any) -> tuple[Any, int]:
-    """One forward keeping its graph: its output and the bytes the tracker saw it save."""
+    """One forward keeping its graph (micro-batch 1): its output and the bytes the tracker saw
+    it save. Micro-batch 0 runs and is dropped first: the first forward of a step runs on a
+    copy of its input (to learn whether a layer writes it in place), which the others do not."""
     tracker = runner.tracker
     assert tracker is not None
+    first = runner.forward(0, inputs, target, 1.0)
+    runner.backward(0, ones_like_outputs(first, runner.spec.is_last))
     tracker.reset_peaks()
     before = tracker.report().peak_bytes
-    output = runner.forward(0, inputs, target, 1.0)
+    output = runner.forward(1, inputs, target, 1.0)
     saved = tracker.report().peak_bytes - before
     return output, saved
 
 
 def _kept_for_weights(runner: ChunkRunner, output: Any) -> int:
-    """After ``_saved_by_forward``: the bytes micro-batch 0 still holds once its I ran."""
+    """After ``_saved_by_forward``: the bytes micro-batch 1 still holds once its I ran."""
     tracker = runner.tracker
     assert tracker is not None
-    runner.backward_input(0, ones_like_outputs(output, runner.spec.is_last))
+    runner.backward_input(1, ones_like_outputs(output, runner.spec.is_last))
     held = tracker.live_bytes()
-    runner.backward_weight(0)
+    runner.backward_weight(1)
     return held
 
 
