@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.variable import Variable
 
@@ -52,11 +53,14 @@ def _engine(
 class _Capture:
     """What one junction leaves for W: a rule prepared before I, what entered it during I."""
 
-    __slots__ = ("junction", "deferred", "entered", "sent")
+    __slots__ = ("junction", "deferred", "complete", "entered", "sent")
 
     def __init__(self, junction: Junction, deferred: Deferred | None) -> None:
         self.junction = junction
         self.deferred = deferred  # the junction's rule, its saved tensors taken
+        # A custom autograd.Function (a compiled region too) computes every output it
+        # returns in I: what it leaves None is no gradient, as in a plain backward.
+        self.complete = isinstance(junction.node, BackwardCFunction)
         self.entered: Grads | None = None  # the gradients that entered the node in I
         self.sent: dict[int, torch.Tensor] = {}  # exits the node computed itself
 
@@ -77,7 +81,7 @@ class _Capture:
         exits = self.junction.exits
         found = [(exit.slot, self.sent[exit.index]) for exit in exits if exit.index in self.sent]
         missing = [exit for exit in exits if exit.index not in self.sent]
-        if not missing:
+        if not missing or self.complete:
             return found
         if self.deferred is None:
             return found + _through_engine(self.junction, self.entered, missing)
@@ -175,9 +179,10 @@ def backward_input(
         _Capture(junction, prepare(junction.node, frozenset(exit.index for exit in junction.exits)))
         for junction in split.junctions
     ]
-    # Where every junction has its rule, W reads only what the rules took: the engine
-    # may free each node's saved tensors as I passes it.
-    keep_graph = any(capture.deferred is None for capture in captures)
+    # Where every junction has its rule (or computes its whole backward in I), W reads only
+    # what I left: the engine may free each node's saved tensors as I passes it (and must,
+    # for a compiled region that donates its buffers).
+    keep_graph = any(capture.deferred is None and not capture.complete for capture in captures)
     handles = [capture.junction.node.register_hook(capture) for capture in captures]
     try:
         found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,

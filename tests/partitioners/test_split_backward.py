@@ -270,3 +270,13 @@ def test_post_accumulate_hooks_fire_once_per_w():
     assert fired == []
     weights.run()
     assert sorted(fired) == sorted(name for name, _ in model.named_parameters())
+
+
+def test_a_compiled_region_runs_its_backward_once_and_lets_i_free_the_graph():
+    """A compiled block is one autograd.Function whose backward computes every gradient, and
+    one that donates its buffers refuses a kept graph: I takes its weight gradients as they
+    come, and frees the graph."""
+    torch._dynamo.reset()
+    block = Block()
+    compiled = torch.compile(copy.deepcopy(block), backend="aot_eager")
+    _compare(nn.Sequential(compiled, nn.Linear(16, 4)), tokens)
