@@ -316,7 +316,10 @@ class ChunkRunner:
             )
             self._weights[microbatch] = weights
             if self.tracker is not None:
-                for tensor in weights.held():
+                # One view a storage: a captured gradient reaches several junctions as views
+                # of one tensor (a bias add and its product), which is one block of memory.
+                storages = {t.untyped_storage().data_ptr(): t for t in weights.held()}
+                for tensor in storages.values():
                     self.tracker.track((microbatch, self.spec.index), tensor)
         # The graph, the inputs and the outputs live on only where W needs them.
         del self._stash[microbatch]
