@@ -13,6 +13,7 @@ import torch
 
 Key = tuple[int, int]  # (microbatch, chunk)
 View = tuple[Key, int, int, tuple[int, ...], tuple[int, ...]]  # key, storage, offset, shape, stride
+Region = tuple[Key, int]  # (key, storage): the views of one storage saved for one key
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,12 @@ class MemoryReport:
 class ActivationTracker:
     """Counts the bytes autograd saves for each (micro-batch, chunk) while they stay alive.
 
-    A tensor is counted once per view of its storage and key, however many saved
-    aliases of it there are (an output saved by its own op and by the next one), and
-    released by weakref callbacks when the last alias goes, so the figures follow
-    real lifetimes, not bookkeeping. Parameters and views of them (Linear saves
-    ``weight.t()``) are excluded: they live anyway.
+    A tensor is counted once however many saved aliases of it there are (an output saved
+    by its own op and by the next one), and views of one storage saved for one key count
+    the bytes they span together, once (attention saves its output, and the next Linear
+    the same memory seen 2-D); each is released by a weakref callback when its last
+    alias goes, so the figures follow real lifetimes, not bookkeeping. Parameters and
+    views of them (Linear saves ``weight.t()``) are excluded: they live anyway.
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor], chunk_share: float) -> None:
@@ -46,7 +48,9 @@ class ActivationTracker:
         self._parameter_storages: set[int] = set()
         self._share = chunk_share
         self._lock = threading.Lock()
-        self._tracked: dict[View, list[int]] = {}  # view -> [bytes, aliases alive]
+        self._tracked: dict[View, int] = {}  # view -> aliases alive
+        self._regions: dict[Region, dict[View, tuple[int, int]]] = {}  # view -> bytes spanned
+        self._region_bytes: dict[Region, int] = {}
         # id(weakref) -> (the weakref, its view): a weakref with a callback is a fraction
         # of the cost of weakref.finalize, paid for every saved tensor of every micro-batch.
         self._watched: dict[int, tuple[weakref.ref[torch.Tensor], View]] = {}
@@ -76,38 +80,48 @@ class ActivationTracker:
         storage = _storage(tensor)
         if storage in self._parameter_storages:
             return
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
+        if tensor.numel() * tensor.element_size() == 0:
             return
         view = (key, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
         with self._lock:
-            entry = self._tracked.get(view)
-            if entry is not None:
-                entry[1] += 1
-            else:
-                self._tracked[view] = [nbytes, 1]
-                self._live_bytes[key] = self._live_bytes.get(key, 0) + nbytes
-                self._bytes += nbytes
-                self._peak_bytes = max(self._peak_bytes, self._bytes)
-                self._peak_held = max(self._peak_held, len(self._live_bytes) * self._share)
+            aliases = self._tracked.get(view)
+            self._tracked[view] = (aliases or 0) + 1
+            if aliases is None:
+                self._regions.setdefault((key, storage), {})[view] = _span(tensor)
+                self._recount((key, storage))
             watch = weakref.ref(tensor, self._freed)
             self._watched[id(watch)] = (watch, view)
 
     def _freed(self, watch: weakref.ref[torch.Tensor]) -> None:
         with self._lock:
             _, view = self._watched.pop(id(watch))
-            entry = self._tracked[view]
-            entry[1] -= 1
-            if entry[1]:
+            self._tracked[view] -= 1
+            if self._tracked[view]:
                 return
             del self._tracked[view]
-            key, nbytes = view[0], entry[0]
-            remaining = self._live_bytes[key] - nbytes
-            if remaining:
-                self._live_bytes[key] = remaining
-            else:
-                del self._live_bytes[key]
-            self._bytes -= nbytes
+            region = (view[0], view[1])
+            del self._regions[region][view]
+            self._recount(region)
+
+    def _recount(self, region: Region) -> None:
+        """Bring the totals up to date with what ``region``'s views span now (lock held)."""
+        views = self._regions[region]
+        now = _union(views.values())
+        delta = now - self._region_bytes.get(region, 0)
+        if not views:
+            del self._regions[region]
+            self._region_bytes.pop(region, None)
+        else:
+            self._region_bytes[region] = now
+        key = region[0]
+        remaining = self._live_bytes.get(key, 0) + delta
+        if remaining:
+            self._live_bytes[key] = remaining
+        else:
+            self._live_bytes.pop(key, None)
+        self._bytes += delta
+        self._peak_bytes = max(self._peak_bytes, self._bytes)
+        self._peak_held = max(self._peak_held, len(self._live_bytes) * self._share)
 
     @contextmanager
     def recording(self, key: Key) -> Iterator[None]:
@@ -132,6 +146,27 @@ class ActivationTracker:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its storage that a (non-empty) view reaches."""
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    reach = 1 + sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride()))
+    return start, start + reach * size
+
+
+def _union(spans: Iterable[tuple[int, int]]) -> int:
+    """Bytes covered by the union of ``spans``."""
+    total, end = 0, -1
+    for start, stop in sorted(spans):
+        if start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
 
 
 def _storage(tensor: torch.Tensor) -> int:
