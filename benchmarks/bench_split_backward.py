@@ -17,6 +17,11 @@ timed; the figures are medians over the rounds. The bars: (I + W) / B <= 1.10 on
 gpt and resnet, <= 1.5 on linear, and ours no slower than torch's on each. Exits 1
 when a bar is missed.
 
+With ``--memory`` it instead prints, for 1F1B and three split schedules, what ``plan``
+predicts each stage's peak activation bytes to be against what ``Pipe(memory_report=True)``
+measures (a 4-block GPT of width 128 with an input and an output Linear, 32 x 16 tokens,
+2 stages, M=8, the plan's cut).
+
 With ``--pipe`` it instead prints the table of issue 22, as a user measures it: a
 GPT of 4 such blocks in ``Pipe(balance=[2, 2], devices=["cpu", "cpu"], chunks=4)``
 on 16 x 64 tokens, per stage the median duration of B under 1F1B and of I and W
@@ -165,15 +170,51 @@ def pipe_table(steps: int) -> None:
         print(f"{stage:>5} {b * 1e3:12.1f} {i * 1e3:13.1f} {w * 1e3:13.1f} {(i + w) / b:8.2f}")
 
 
+def memory_table() -> None:
+    """``plan``'s predicted peak activation bytes per stage against the measured ones."""
+    from partitioners import plan_for_model
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), *[Block() for _ in range(4)], nn.LayerNorm(128),
+                          nn.Linear(128, 64))
+    x, y = torch.randn(32, 16, 64), torch.randn(32, 16, 64)
+    print(f"{'schedule':9} {'balance':14} {'predicted MiB':>16} {'measured MiB':>16}  error")
+    for schedule in ("1f1b", "zb-h1", "zb-v", "v-half"):
+        chosen = plan_for_model(model, x, y, nn.MSELoss(), stages=2, microbatch_counts=[8],
+                                schedules=[schedule], checkpoints=["never"], prune=False)
+        pipe = Pipe(model, 8, balance=list(chosen.balance), devices=["cpu", "cpu"],
+                    schedule=schedule, checkpoint="never", loss_fn=nn.MSELoss(),
+                    memory_report=True)
+        pipe.step(x, y)
+        model.zero_grad(set_to_none=True)
+        ends = [sum(chosen.balance[:c]) for c in range(len(chosen.balance) + 1)]
+        parameters = [2 * sum(p.numel() * p.element_size() for c in owned
+                              for layer in model[ends[c]:ends[c + 1]] for p in layer.parameters())
+                      for owned in pipe.schedule.chunks_of_stage]
+        predicted = [peak - fixed for peak, fixed in zip(chosen.peak_memory, parameters)]
+        measured = [report.peak_bytes for report in pipe.memory]
+        errors = " ".join(f"{(p - m) / m:+.1%}" for p, m in zip(predicted, measured))
+        print(f"{schedule:9} {str(list(chosen.balance)):14} "
+              f"{' '.join(f'{v / 2**20:7.3f}' for v in predicted):>16} "
+              f"{' '.join(f'{v / 2**20:7.3f}' for v in measured):>16}  {errors}")
+        pipe.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=40)
     parser.add_argument("--stages", nargs="+", default=list(BARS), choices=list(BARS))
     parser.add_argument("--pipe", action="store_true", help="the Pipe table of issue 22 instead")
+    parser.add_argument("--memory", action="store_true",
+                        help="plan's predicted activation memory against the measured instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.pipe:
         pipe_table(steps=4)
+        return 0
+    if args.memory:
+        memory_table()
         return 0
     print(f"{'stage':8} {'B ms':>8} {'I ms':>8} {'W ms':>8} {'(I+W)/B':>8} "
           f"{'torch I':>8} {'torch W':>8} {'torch/B':>8}  bar")
