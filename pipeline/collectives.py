@@ -33,7 +33,7 @@ def wait(work: Any, what: str, group: Any, timeout: float) -> None:
         raise PeerError(
             f"rank {dist.get_rank()}: {what} across the {size} ranks of the pipeline did not "
             f"complete within {timeout:g}s (a rank died, hung or is too slow: raise "
-            f"Pipe(timeout=...)): {error}", -1
+            f"Pipe(timeout=...)): {error}"
         ) from error
 
 

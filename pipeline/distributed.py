@@ -130,7 +130,8 @@ class DistRunner:
             self.model[index].load_state_dict(local, strict=strict)
 
     def _fail(self, error: BaseException) -> None:
-        origin = error.rank if isinstance(error, PeerError) else dist.get_rank()
+        origin = error.rank if isinstance(error, PeerError) and error.rank is not None \
+            else dist.get_rank()
         self.transport.fail(origin, f"{type(error).__name__}: {error}")
         if isinstance(error, PeerError):
             self._broken = self._broken or str(error)
@@ -140,8 +141,7 @@ class DistRunner:
             raise PeerError(
                 f"this pipeline's process group failed in an earlier step ({self._broken}); "
                 f"messages of that step may still be in flight, so the group cannot be reused: "
-                f"call pipe.close(), destroy the process group and build a new one and a new Pipe",
-                -1,
+                f"call pipe.close(), destroy the process group and build a new one and a new Pipe"
             )
 
     def _run(self, plan: Any, step_inputs: StepInputs, infer: bool) -> Any:

@@ -46,7 +46,11 @@ class PendingTimeline:
 
 
 class Runner(Protocol):
-    """Runs a Pipe's steps; ``Pipe`` talks to one of these and never asks which kind."""
+    """Runs a Pipe's steps: threads (``LocalRunner``) or one stage per rank (``DistRunner``).
+
+    The seam is not yet the only place that tells them apart: ``Pipe``, ``predict`` and a
+    few others still ask whether there is a group (issue 24).
+    """
 
     memory: tuple[MemoryReport, ...]
 

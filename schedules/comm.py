@@ -64,9 +64,10 @@ plan, in time linear in its size.
 Channels: activations (sent by forwards) go on channel 0, gradients (sent by
 backwards) on channel 1, two communicators. Matching is per channel, so the two
 directions never queue behind each other, and a runtime that posts the receives
-of a later group early (gloo may) keeps each channel's order. ``"naive"`` is the
-plan the runtime posts today, one op per group on one channel, kept so tests can
-show it fails; ``"paired"`` is the Megatron fusion above.
+of a later group early (gloo may) keeps each channel's order. The runtime posts the
+``"overlap"`` plan; ``"naive"`` (one op per group on one channel, what a runtime
+does left to itself) is kept so tests can show it fails; ``"paired"`` is the
+Megatron fusion above.
 """
 
 from __future__ import annotations
@@ -77,73 +78,14 @@ from functools import cached_property
 from typing import Literal, Union
 
 from schedules._speed import gc_paused
-from schedules.action import Action, Op, Schedule
+from schedules.action import Action, Schedule
+from schedules.comm_ops import CommOp, Group, Message
 from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.dependencies import ActionKey, dependency_keys
 from schedules.validate import feasible_order, validate
 
-Kind = Literal["send", "recv"]
 Strategy = Literal["overlap", "ordered", "paired", "naive"]
 STRATEGIES: tuple[str, ...] = ("overlap", "ordered", "paired", "naive")
-MAX_CHANNELS = 4  # communicators a runtime may create for one pipeline
-ACTIVATIONS, GRADIENTS = 0, 1  # the channels comm_plan uses
-
-
-@dataclass(frozen=True)
-class CommOp:
-    """One point-to-point operation: send ``producer``'s result to ``peer``, or receive it.
-
-    Attributes:
-        kind: ``"send"`` or ``"recv"``.
-        peer: the other stage.
-        producer: the action whose result moves (an activation for ``F``, an input
-            gradient for ``B`` or ``I``).
-        channel: the communicator, 0..3; messages match in order per channel and pair.
-    """
-
-    kind: Kind
-    peer: int
-    producer: Action
-    channel: int = 0
-
-    @property
-    def key(self) -> ActionKey:
-        """The producer as an ``(op, microbatch, chunk)`` key, as the runtime files payloads."""
-        return (self.producer.op, self.producer.microbatch, self.producer.chunk)
-
-    def __str__(self) -> str:
-        arrow = "->" if self.kind == "send" else "<-"
-        suffix = f" ch{self.channel}" if self.channel else ""
-        return f"{self.kind} {self.producer} {arrow} {self.peer}{suffix}"
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-@dataclass(frozen=True)
-class Group:
-    """Operations posted together (one ``batch_isend_irecv`` per channel); a stage moves on
-    only when all of them have completed."""
-
-    ops: tuple[CommOp, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", tuple(self.ops))
-        if not self.ops:
-            raise ValueError("a Group needs at least one op, got none")
-
-    def batches(self) -> tuple[tuple[int, tuple[CommOp, ...]], ...]:
-        """``(channel, ops)`` per channel, in first-use order: one batch each to post."""
-        by_channel: dict[int, list[CommOp]] = {}
-        for op in self.ops:
-            by_channel.setdefault(op.channel, []).append(op)
-        return tuple((channel, tuple(ops)) for channel, ops in by_channel.items())
-
-    def __str__(self) -> str:
-        return "[" + ", ".join(str(op) for op in self.ops) + "]"
-
-    def __repr__(self) -> str:
-        return str(self)
 
 
 Step = Union[Action, Group]
@@ -267,27 +209,7 @@ def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
     return CommPlan(schedule, stages, strategy)
 
 
-class _Message:
-    """A result crossing stages once: the action at ``(source, produced_at)`` in the
-    schedule's order, sent to ``destination``, where the action at ``consumer_index``
-    needs it first. Internal and mutable: ``moved`` is the simulation's flag."""
-
-    __slots__ = ("producer", "source", "produced_at", "destination", "consumer_index",
-                 "channel", "moved")
-
-    def __init__(self, producer: Action, source: int, produced_at: int, destination: int,
-                 consumer_index: int) -> None:
-        self.producer, self.source, self.produced_at = producer, source, produced_at
-        self.destination, self.consumer_index = destination, consumer_index
-        self.channel = ACTIVATIONS if producer.op is Op.F else GRADIENTS
-        self.moved = False
-
-    def op(self, kind: Kind, channel: int | None = None) -> CommOp:
-        peer = self.destination if kind == "send" else self.source
-        return CommOp(kind, peer, self.producer, self.channel if channel is None else channel)
-
-
-def _messages(schedule: Schedule) -> list[_Message]:
+def _messages(schedule: Schedule) -> list[Message]:
     """One message per (producer, destination stage), by the rule of ``dependency_keys``."""
     where: dict[ActionKey, tuple[int, int]] = {}
     for stage, actions in enumerate(schedule.order):
@@ -302,27 +224,27 @@ def _messages(schedule: Schedule) -> list[_Message]:
                 if placement[key[2]] != stage and (key, stage) not in seen:
                     seen.add((key, stage))  # the first consumer comes first
                     source, at = where[key]
-                    messages.append(_Message(order[source][at], source, at, stage, index))
+                    messages.append(Message(order[source][at], source, at, stage, index))
     return messages
 
 
-def _outgoing(schedule: Schedule, messages: list[_Message]) -> list[list[list[_Message]]]:
+def _outgoing(schedule: Schedule, messages: list[Message]) -> list[list[list[Message]]]:
     """``out[stage][index]``: the messages the action at that place produces."""
-    out: list[list[list[_Message]]] = [[[] for _ in actions] for actions in schedule.order]
+    out: list[list[list[Message]]] = [[[] for _ in actions] for actions in schedule.order]
     for message in messages:
         out[message.source][message.produced_at].append(message)
     return out
 
 
-def _incoming(schedule: Schedule, messages: list[_Message]) -> list[list[list[_Message]]]:
+def _incoming(schedule: Schedule, messages: list[Message]) -> list[list[list[Message]]]:
     """``needs[stage][index]``: the messages the action at that place needs first."""
-    needs: list[list[list[_Message]]] = [[[] for _ in actions] for actions in schedule.order]
+    needs: list[list[list[Message]]] = [[[] for _ in actions] for actions in schedule.order]
     for message in messages:
         needs[message.destination][message.consumer_index].append(message)
     return needs
 
 
-def _local(schedule: Schedule, messages: list[_Message], paired: bool) -> list[list[Step]]:
+def _local(schedule: Schedule, messages: list[Message], paired: bool) -> list[list[Step]]:
     """``"naive"`` and ``"paired"``: each op placed by its own stage alone."""
     sends, receives = _outgoing(schedule, messages), _incoming(schedule, messages)
     channel = None if paired else 0
@@ -346,7 +268,7 @@ def _grouped(ops: list[CommOp], together: bool) -> list[Group]:
     return [Group((op,)) for op in ops]
 
 
-def _ordered(schedule: Schedule, messages: list[_Message]) -> list[list[Step]]:
+def _ordered(schedule: Schedule, messages: list[Message]) -> list[list[Step]]:
     """``"ordered"``: both ends post each message right after its producer in the replay order."""
     sends = _outgoing(schedule, messages)
     stages: list[list[Step]] = [[] for _ in range(schedule.stages)]
@@ -360,7 +282,7 @@ def _ordered(schedule: Schedule, messages: list[_Message]) -> list[list[Step]]:
     return stages
 
 
-def _overlap(schedule: Schedule, messages: list[_Message]) -> list[list[Step]]:
+def _overlap(schedule: Schedule, messages: list[Message]) -> list[list[Step]]:
     """``"overlap"``: the rendezvous simulation of the module docstring, one group per gap."""
     gaps = Rendezvous(schedule.order, default_durations(schedule),
                       _outgoing(schedule, messages), _incoming(schedule, messages)).run()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from schedules.action import Action, Op, Schedule
 
 if TYPE_CHECKING:
-    from schedules.comm import CommOp, _Message
+    from schedules.comm_ops import CommOp, Message
 
 
 def default_durations(schedule: Schedule) -> list[list[float]]:
@@ -37,7 +37,7 @@ class Rendezvous:
     """
 
     def __init__(self, order: tuple[tuple[Action, ...], ...], durations: list[list[float]],
-                 out: list[list[list[_Message]]], needs: list[list[list[_Message]]]) -> None:
+                 out: list[list[list[Message]]], needs: list[list[list[Message]]]) -> None:
         stages = len(order)
         self.order = order
         self.durations = durations
@@ -47,7 +47,7 @@ class Rendezvous:
         self.in_gap = [False] * stages
         self.done = [False] * stages
         self.busy_until = [0.0] * stages
-        self.pending: list[dict[int, list[_Message]]] = [defaultdict(list) for _ in range(stages)]
+        self.pending: list[dict[int, list[Message]]] = [defaultdict(list) for _ in range(stages)]
         self.senders: list[set[int]] = [set() for _ in range(stages)]
         self.gaps: list[dict[int, list[CommOp]]] = [defaultdict(list) for _ in range(stages)]
         self.heap = [(0.0, stage, stage) for stage in range(stages)]

@@ -7,14 +7,16 @@ from typing import TYPE_CHECKING
 
 from schedules._speed import gc_paused
 from schedules.action import Action, ScheduleError
+from schedules.comm import CommPlan, format_plan
+from schedules.comm_ops import MAX_CHANNELS
 from schedules.dependencies import ActionKey, dependency_keys
 from schedules.validate import validate
 
 if TYPE_CHECKING:
-    from schedules.comm import CommOp, CommPlan, Step
+    from schedules.comm import Step
+    from schedules.comm_ops import CommOp
 
 
-_MAX_CHANNELS = 4  # comm.MAX_CHANNELS; comm imports validate, so not from there
 _KINDS = ("send", "recv")
 _Message = tuple[ActionKey, int, int]  # (producer, source stage, destination stage)
 
@@ -51,8 +53,6 @@ _Queues = dict[tuple[str, int, int, int], list[tuple[ActionKey, int, int]]]
 
 
 def _plan_fail(plan: CommPlan, message: str, around: dict[int, int]) -> ScheduleError:
-    from schedules.comm import format_plan  # comm imports this module at load time
-
     window = format_plan(plan, around=around)
     return ScheduleError(f"{plan.schedule.name} comm plan ({plan.strategy}): {message}\n{window}")
 
@@ -81,7 +81,7 @@ def _check_steps(plan: CommPlan) -> tuple[dict[ActionKey, int], _Queues]:
                     peer, channel = op.peer, op.channel
                     if not (op.kind in _KINDS and peer.__class__ is int and 0 <= peer < stages
                             and peer != stage and channel.__class__ is int
-                            and 0 <= channel < _MAX_CHANNELS
+                            and 0 <= channel < MAX_CHANNELS
                             and op.producer.__class__ is Action):
                         _check_op(plan, stage, index, op)  # raises, saying what is wrong
                     pair = (stage, op.peer) if op.kind == "send" else (op.peer, stage)
@@ -106,9 +106,9 @@ def _check_op(plan: CommPlan, stage: int, index: int, op: CommOp) -> None:
         problem = f"peer must be a stage 0..{plan.schedule.stages - 1}, got {op.peer!r}"
     elif op.peer == stage:
         problem = f"peer is the stage itself ({stage}); a result stays local"
-    elif not (type(op.channel) is int and 0 <= op.channel < _MAX_CHANNELS):
-        problem = (f"channel must be 0..{_MAX_CHANNELS - 1} (one communicator each, at "
-                   f"most {_MAX_CHANNELS}), got {op.channel!r}")
+    elif not (type(op.channel) is int and 0 <= op.channel < MAX_CHANNELS):
+        problem = (f"channel must be 0..{MAX_CHANNELS - 1} (one communicator each, at "
+                   f"most {MAX_CHANNELS}), got {op.channel!r}")
     else:
         problem = f"producer must be an Action, got {op.producer!r}"
     raise _plan_fail(plan, f"stage {stage} step {index}: {op}: {problem}", {stage: index})

@@ -23,9 +23,13 @@ Payload = Any  # any pytree of tensors (see pipeline.payload)
 
 
 class PeerError(RuntimeError):
-    """A peer rank failed, died, sent a corrupt message or did not answer in time."""
+    """A peer rank failed, died, sent a corrupt message or did not answer in time.
 
-    def __init__(self, message: str, rank: int) -> None:
+    ``rank`` names the rank at fault where one is known; None where none is (a collective
+    some rank did not join, a group an earlier step broke).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
 

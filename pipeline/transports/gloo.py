@@ -364,7 +364,7 @@ class GlooTransport(KeyedTransport):
             except RuntimeError as error:
                 raise PeerError(
                     f"stage {self.stage}: a peer did not take its messages within "
-                    f"{self.timeout:g}s: {error}", -1
+                    f"{self.timeout:g}s: {error}"
                 ) from error
 
     def fail(self, origin: int, reason: str) -> None:
