@@ -90,7 +90,7 @@ def to_wire(payload: Any) -> tuple[int, list[torch.Tensor]]:
     if type(payload) is tuple and payload and all(isinstance(t, torch.Tensor) for t in payload):
         return TUPLE, list(payload)  # a namedtuple is not a plain tuple: it goes structured
     flat = flatten(payload)
-    blob = encode_structure(flat)
+    blob = encode_structure(flat.spec, flat.leaves)
     return STRUCTURED, [*flat.tensors, torch.frombuffer(bytearray(blob), dtype=torch.uint8)]
 
 

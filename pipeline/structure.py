@@ -21,13 +21,10 @@ import sys
 import types
 from collections import OrderedDict, defaultdict, namedtuple
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-
-if TYPE_CHECKING:
-    from pipeline.payload import Flat
 
 FORMAT = 1  # the structure's format version, the first field of every structure
 MAX_STRUCTURE_BYTES = 1 << 20  # a structure's JSON text, at most (large data belongs in tensors)
@@ -56,15 +53,15 @@ class StructureError(ValueError):
 #          | {"dict": [[key, value], ...]}
 #   key   := string | int
 
-def encode_structure(flat: Flat) -> bytes:
-    """The JSON text, in UTF-8, of ``flat``'s structure and non-tensor leaves.
+def encode_structure(spec: pytree.TreeSpec, leaves_in_order: Sequence[Any]) -> bytes:
+    """The JSON text, in UTF-8, of a flattened payload's structure and non-tensor leaves.
 
     Raises:
         TypeError: a leaf or container that may not cross ranks, named by its path.
         ValueError: nested deeper than ``MAX_DEPTH`` or larger than ``MAX_STRUCTURE_BYTES``.
     """
     leaves: list[Any] = []
-    tree = _node(flat.spec, _Leaves(flat.leaves, leaves), "output", 0)
+    tree = _node(spec, _Leaves(leaves_in_order, leaves), "output", 0)
     text = json.dumps({"format": FORMAT, "tree": tree, "leaves": leaves},
                       separators=(",", ":"), allow_nan=False).encode("utf-8")
     if len(text) > MAX_STRUCTURE_BYTES:

@@ -1,0 +1,51 @@
+"""The import graph: no cycle between modules, and packages point one way.
+
+``schedules`` <- ``partitioners`` <- ``pipeline``: schedules imports neither of the
+others, partitioners never imports pipeline. Every ``from``-import of the three
+packages counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included: a
+cycle broken by a late import is still a cycle to read.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("schedules", "partitioners", "pipeline")
+RANK = {name: rank for rank, name in enumerate(PACKAGES)}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> nx.DiGraph:
+    """Module -> the modules of the three packages it imports from."""
+    graph = nx.DiGraph()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            module = _module(path)
+            graph.add_node(module)
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                        and node.module.split(".")[0] in PACKAGES:
+                    graph.add_edge(module, node.module)
+    return graph
+
+
+def test_no_module_imports_itself_round_a_cycle() -> None:
+    graph = import_graph()
+    # A package's __init__ re-exports its modules; a module importing from the package
+    # name itself is an import of those, not a cycle of modules.
+    modules = graph.subgraph(node for node in graph if node not in PACKAGES)
+    assert list(nx.simple_cycles(modules)) == []
+
+
+def test_packages_point_one_way() -> None:
+    wrong = [(source, target) for source, target in import_graph().edges
+             if RANK[target.split(".")[0]] > RANK[source.split(".")[0]]]
+    assert wrong == []
