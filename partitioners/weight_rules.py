@@ -74,22 +74,33 @@ def _mat2_grad(mat1: torch.Tensor, grad: torch.Tensor, column_major: bool) -> to
     return mat1.t().conj().mm(grad)
 
 
+def _product(left: torch.Tensor | None, right: torch.Tensor | None, column_major: bool,
+             alpha: Any, slots: tuple[int, int]) -> Compute:
+    """``left @ right``'s gradients at ``slots`` (left's, right's): each needs the other."""
+
+    def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
+        out = {}
+        if right is not None:
+            out[slots[0]] = _scaled(grad.mm(right.t().conj()), alpha)
+        if left is not None:
+            out[slots[1]] = _scaled(_mat2_grad(left, grad, column_major), alpha)
+        return out
+
+    return compute
+
+
 def _addmm(node: Any, wanted: frozenset[int]) -> Deferred:
     # addmm(self, mat1, mat2, beta, alpha) = beta * self + alpha * mat1 @ mat2
     alpha, beta = node._saved_alpha.conjugate(), node._saved_beta.conjugate()
     mat2 = node._saved_mat2 if 1 in wanted else None
     mat1 = node._saved_mat1 if 2 in wanted else None
-    column_major = _column_major(node)
     _strided(mat1, mat2)
+    product = _product(mat1, mat2, _column_major(node), alpha, (1, 2))
 
     def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
-        out = {}
+        out = product(grad)
         if 0 in wanted:
             out[0] = _scaled(grad, beta)
-        if mat2 is not None:
-            out[1] = _scaled(grad.mm(mat2.t().conj()), alpha)
-        if mat1 is not None:
-            out[2] = _scaled(_mat2_grad(mat1, grad, column_major), alpha)
         return out
 
     return Deferred(compute, _present(mat1, mat2))
@@ -98,18 +109,8 @@ def _addmm(node: Any, wanted: frozenset[int]) -> Deferred:
 def _mm(node: Any, wanted: frozenset[int]) -> Deferred:
     mat2 = node._saved_mat2 if 0 in wanted else None
     self = node._saved_self if 1 in wanted else None
-    column_major = _column_major(node)
     _strided(mat2, self)
-
-    def compute(grad: torch.Tensor) -> dict[int, torch.Tensor]:
-        out = {}
-        if mat2 is not None:
-            out[0] = grad.mm(mat2.t().conj())
-        if self is not None:
-            out[1] = _mat2_grad(self, grad, column_major)
-        return out
-
-    return Deferred(compute, _present(mat2, self))
+    return Deferred(_product(self, mat2, _column_major(node), 1, (0, 1)), _present(mat2, self))
 
 
 def _masked_call(

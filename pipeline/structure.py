@@ -20,7 +20,7 @@ import json
 import sys
 import types
 from collections import OrderedDict, defaultdict, namedtuple
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -227,18 +227,8 @@ def decode_structure(data: bytes, tensors: Sequence[torch.Tensor]) -> Any:
     if len(data) > MAX_STRUCTURE_BYTES:
         raise StructureError(f"expected a structure of at most {MAX_STRUCTURE_BYTES} bytes, "
                              f"got {len(data)}")
-    try:
-        document = json.loads(data.decode("utf-8"), parse_int=parse_int,
-                              parse_float=_refuse_number, parse_constant=_refuse_number,
-                              object_pairs_hook=unique_keys)
-    except StructureError:
-        raise
-    except (ValueError, RecursionError) as error:
-        raise StructureError(f"expected a structure in JSON: {error}") from error
-    expect(type(document) is dict and set(document) == {"format", "tree", "leaves"},
-            "an object with keys format, tree and leaves", document)
-    expect(document["format"] == FORMAT and type(document["format"]) is int,
-            f"format {FORMAT}", document["format"])
+    document = load_document(data, "a structure", ("format", "tree", "leaves"), FORMAT,
+                             parse_float=_refuse_number, parse_constant=_refuse_number)
     expect(type(document["leaves"]) is list, "a list of leaves", document["leaves"])
     leaves, placed = [], 0
     for entry in document["leaves"]:
@@ -385,6 +375,27 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         raise StructureError(f"expected distinct keys in a JSON object, got "
                              f"{short([key for key, _ in pairs])}")
     return result
+
+
+def load_document(data: bytes, what: str, keys: tuple[str, ...], version: int,
+                  parse_float: Callable[[str], Any],
+                  parse_constant: Callable[[str], Any]) -> dict[str, Any]:
+    """The JSON object a peer sent: UTF-8, ints bounded, keys distinct, exactly ``keys``
+    (the first one ``"format"``, equal to ``version``); a StructureError otherwise."""
+    try:
+        document = json.loads(data.decode("utf-8"), parse_int=parse_int,
+                              parse_float=parse_float, parse_constant=parse_constant,
+                              object_pairs_hook=unique_keys)
+    except StructureError:
+        raise
+    except (ValueError, RecursionError) as error:
+        raise StructureError(f"expected {what} in JSON: {error}") from error
+    named = f"{', '.join(keys[:-1])} and {keys[-1]}"
+    expect(type(document) is dict and set(document) == set(keys),
+           f"an object with keys {named}", document)
+    expect(document["format"] == version and type(document["format"]) is int,
+           f"format {version}", document["format"])
+    return document
 
 
 def expect(condition: bool, expected: str, given: Any) -> None:

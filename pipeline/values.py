@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pipeline.structure import MAX_DEPTH, MAX_INT_BITS, StructureError, expect, parse_int, \
-    short, type_name, unique_keys
+from pipeline.structure import MAX_DEPTH, MAX_INT_BITS, StructureError, expect, load_document, \
+    short, type_name
 
 FORMAT = 1  # the shared values' format version, the first field of every message
 MAX_JSON_BYTES = 1 << 28  # a message's JSON text, at most
@@ -151,18 +151,9 @@ def decode(data: bytes) -> Any:
     length = int.from_bytes(data[:8], "little")
     expect(length <= min(MAX_JSON_BYTES, len(data) - 8), f"JSON of at most {MAX_JSON_BYTES} "
            f"bytes within the {len(data) - 8} that follow the length", length)
-    try:
-        document = json.loads(data[8: 8 + length].decode("utf-8"), parse_int=parse_int,
-                              parse_float=_parse_float, parse_constant=float,
-                              object_pairs_hook=unique_keys)
-    except StructureError:
-        raise
-    except (ValueError, RecursionError) as error:
-        raise StructureError(f"expected a shared value in JSON: {error}") from error
-    expect(type(document) is dict and set(document) == {"format", "value", "tensors"},
-           "an object with keys format, value and tensors", document)
-    expect(document["format"] == FORMAT and type(document["format"]) is int,
-           f"format {FORMAT}", document["format"])
+    document = load_document(bytes(data[8: 8 + length]), "a shared value",
+                             ("format", "value", "tensors"), FORMAT,
+                             parse_float=_parse_float, parse_constant=float)
     reader = _Reader(_read_tensors(document["tensors"], memoryview(data)[8 + length:]))
     value = reader.value(document["value"], 0)
     expect(reader.placed == len(reader.tensors), f"a value that places each of the "
