@@ -28,9 +28,9 @@ Slot = tuple[Node, int]  # where a gradient enters a node: (node, input_nr)
 
 
 class Exit(NamedTuple):
-    """An edge leaving the input chain: output ``index`` of a junction feeds ``slot``."""
+    """An edge leaving the input chain: the junction's gradient ``output`` feeds ``slot``."""
 
-    index: int
+    output: int
     slot: Slot
 
 

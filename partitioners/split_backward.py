@@ -44,7 +44,7 @@ def _engine(
     # The engine itself, as torch.autograd.grad/backward call it, without their Python
     # checks: gradients of a broadcast input are reduced to its shape by the engine, and
     # a W is several calls, each of which would pay those checks again.
-    found = Variable._execution_engine.run_backward(  # type: ignore[attr-defined]
+    found = Variable._execution_engine.run_backward(
         tuple(outputs), tuple(grads), keep_graph, False, tuple(inputs), True, accumulate
     )
     return () if found is None else tuple(found)
@@ -67,9 +67,9 @@ class _Capture:
     def __call__(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
         self.entered = grad_outputs
         for exit in self.junction.exits:
-            grad = grad_inputs[exit.index]
+            grad = grad_inputs[exit.output]
             if grad is not None:
-                self.sent[exit.index] = grad
+                self.sent[exit.output] = grad
 
     def exit_grads(self) -> list[tuple[Slot, torch.Tensor]]:
         """The gradients along the exits: computed in I, by the rule, or by the engine.
@@ -79,8 +79,8 @@ class _Capture:
         if self.entered is None:
             return []  # no gradient reached the junction
         exits = self.junction.exits
-        found = [(exit.slot, self.sent[exit.index]) for exit in exits if exit.index in self.sent]
-        missing = [exit for exit in exits if exit.index not in self.sent]
+        found = [(exit.slot, self.sent[exit.output]) for exit in exits if exit.output in self.sent]
+        missing = [exit for exit in exits if exit.output not in self.sent]
         if not missing or self.complete:
             return found
         if self.deferred is None:
@@ -89,7 +89,7 @@ class _Capture:
         if grad is None:
             return found
         computed = self.deferred.compute(grad)
-        return found + [(exit.slot, computed[exit.index]) for exit in missing if exit.index in computed]
+        return found + [(exit.slot, computed[exit.output]) for exit in missing if exit.output in computed]
 
 
 @dataclass
@@ -132,7 +132,7 @@ class WeightGradients:
 
 def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tuple[Slot, torch.Tensor]]:
     """Run the junction alone in the engine, its input-chain outputs cut, its exits captured."""
-    exits = {exit.index for exit in junction.exits}
+    exits = {exit.output for exit in junction.exits}
 
     def cut_chain(grad_inputs: Grads, grad_outputs: Grads) -> Grads:
         # Where a parameter is used both here and further down the chain, the engine
@@ -176,7 +176,7 @@ def backward_input(
     if not chain:
         return (None,) * len(inputs), WeightGradients(seeds, [])
     captures = [
-        _Capture(junction, prepare(junction.node, frozenset(exit.index for exit in junction.exits)))
+        _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
         for junction in split.junctions
     ]
     # Where every junction has its rule (or computes its whole backward in I), W reads only
