@@ -1,13 +1,10 @@
 """bench_plan --ranks 2, on the ranks: each model's auto pick, grid, torch runs and memory case.
 
-Per model (WORKLOADS: the uneven MLP, a small GPT; seeded, so alike on every rank), on
-two gloo ranks; a runner is one configuration that takes a step per call, ours
-(``OurPipe``) or torch's (``TorchPipelining``):
+Per model (``_plan_workloads.WORKLOADS``), on two gloo ranks; a runner is one configuration
+that takes a step per call, ours (``OurPipe``) or torch's (``TorchPipelining``):
 
-- the grid: rank 0 profiles the model (each micro-batch size, with the loss) and runs
-  ``partitioners.plan`` over every schedule x M in COUNTS without pruning, so that every
-  configuration has a cut by time and a prediction (and, over the auto Pipe's space,
-  for the leanest plan's peak); every rank gets the plan;
+- the grid: every schedule x M in COUNTS with the cut by time that rank 0 planned
+  (``_plan_grid.py``), no recomputation;
 - the pick: ``Pipe(chunks="auto", schedule="auto", checkpoint="never", sample=x)``, the
   real auto path (rank 0 profiles without a loss target and plans with its own hop and
   per-action overhead calibration, every rank runs the pick); its other candidates that
@@ -35,21 +32,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from bench_vs_torch import TorchStage
-from examples.gpt import gpt, lm_loss
-from examples.models import uneven_mlp
-from partitioners import MemoryLimitError, Plan, Profile, plan, profile
+from _plan_grid import (
+    Grid,
+    Predicted,
+    calibrated_hop,
+    grid_entry,
+    grid_plan,
+    predicted,
+    table_rows,
+    torch_balance,
+)
+from _plan_workloads import COUNTS, TIMEOUT, WORKLOADS, Workload
+from _vs_torch_ranks import TorchStage
 from pipeline import Pipe
-from pipeline.calibration import action_overhead, calibrate_group
-from pipeline.coordination import on_rank_zero
-from schedules import Link, get_schedule
 
-STAGES = 2
-TIMEOUT = 120.0
-COUNTS = (4, 8, 16)
-GPT_VOCAB, GPT_SEQ = 256, 32
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 LIMIT_SHARE = 0.8  # the memory limit: this share of 1F1B's measured peak at M=8
 REFERENCE_M = 8  # the memory case's 1F1B
@@ -58,53 +55,9 @@ HEADROOM = 0.01  # a leanest plan less far below 1F1B's peak counts as none belo
 PEAK_STEPS = 2  # steps of each memory_report run (the worst counts)
 
 Span = tuple[float, float]  # one step on one rank: (start, end), time.perf_counter seconds
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input, target)
 
 
-# -- the workloads and the runners ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model, its batch and its loss; each call builds them afresh (a Pipe over a group
-    takes its model apart)."""
-
-    name: str
-    title: str
-    rows: int
-    model: Callable[[], nn.Sequential]
-    batch: Callable[[], Batch]
-    loss: Callable[[], nn.Module]
-
-    def build(self) -> nn.Sequential:
-        torch.manual_seed(0)
-        return self.model()
-
-
-def _mlp_batch() -> Batch:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(256, 512, generator=generator), torch.randn(256, 10, generator=generator)
-
-
-def _gpt_model() -> nn.Sequential:
-    return gpt(GPT_VOCAB, dim=128, layers=6, heads=4, seq=GPT_SEQ, dropout=0.1, drop_path=0.0)
-
-
-def _gpt_batch() -> Batch:
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, GPT_VOCAB, (32, GPT_SEQ + 1), generator=generator)
-    return tokens[:, :-1].clone(), tokens[:, 1:].clone()
-
-
-WORKLOADS = {
-    "mlp": Workload("mlp", "uneven MLP (examples/models.py: 13 layers, 7 Linear + 6 ReLU, 512 "
-                    "wide with one 4096-wide pair), batch 256, MSE loss", 256,
-                    uneven_mlp, _mlp_batch, nn.MSELoss),
-    "gpt": Workload("gpt", f"small GPT (examples/gpt.py: embedding, 6 blocks of width 128 with "
-                    f"4 heads, LayerNorm, tied head; 9 layers), vocabulary {GPT_VOCAB}, batch 32 "
-                    f"x {GPT_SEQ} tokens, dropout 0.1, cross-entropy", 32,
-                    _gpt_model, _gpt_batch, lm_loss),
-}
+# -- the runners and what a rank reports ------------------------------------------------------
 
 
 class OurPipe:
@@ -151,25 +104,6 @@ class TorchPipelining(TorchStage):
 
 
 @dataclass(frozen=True)
-class Predicted:
-    """One configuration as the parent needs it (a Plan holds read-only mappings)."""
-
-    source: str  # "auto pick", "auto" (another candidate of the auto plan) or "grid"
-    label: str
-    microbatches: int
-    balance: tuple[int, ...]
-    checkpoint: str
-    step_time: float
-    peak_memory: tuple[float, ...]
-    description: str
-    options: dict[str, Any] = field(compare=False)  # the candidate's pipe_options()
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        return self.label, self.microbatches, self.balance, self.checkpoint
-
-
-@dataclass(frozen=True)
 class MemoryCase:
     """Peaks are per stage, measured: 2 x parameter bytes + the worst step's activations."""
 
@@ -200,98 +134,6 @@ class ModelReport:
     torch_balance: tuple[int, ...]
     torch: list[list[Span]]
     memory: MemoryCase | None  # None: the grid has no 1F1B at REFERENCE_M
-
-
-# -- planning ---------------------------------------------------------------------------------
-
-
-def calibrated_hop(tries: int = 3) -> Link:
-    """The gloo hop between the two ranks, by ping-pong (every rank calls this).
-
-    The first calibration after the group starts often reads 1-2 ms where later ones read
-    0.1-0.2 ms: the lowest latency of a few tries is the link (others' load only slows it).
-    """
-    probe = get_schedule("1f1b", STAGES, STAGES)
-    links = [calibrate_group(dist.group.WORLD, probe, torch.device("cpu"), TIMEOUT).link(0, 1)
-             for _ in range(tries)]
-    return min(links, key=lambda link: link.latency)
-
-
-def profiled_costs(workload: Workload) -> Callable[[int], Profile]:
-    """``plan_for_model``'s cost source (the loss included), one profile per size."""
-    model, (x, y) = workload.build(), workload.batch()
-    loss_fn = workload.loss()
-    found: dict[int, Profile] = {}
-
-    def at(rows: int) -> Profile:
-        if rows not in found:
-            found[rows] = profile(model, x, progress=False, microbatch_size=rows,
-                                  loss_fn=loss_fn, target=y)
-        return found[rows]
-
-    return at
-
-
-@dataclass(frozen=True)
-class Grid:
-    """Rank 0's plans from one profile of the model, on every rank."""
-
-    plan: Plan  # every schedule x M in COUNTS, without and with full recomputation, unpruned
-    leanest: float  # the smallest limit the auto Pipe's space can meet (any cut, recomputation)
-
-
-def grid_plan(workload: Workload, hop: Link) -> Grid:
-    """Rank 0 profiles the model and plans the grid, and the auto Pipe's space (its Ms, every
-    checkpoint mode, cuts by time and under memory) for the smallest limit it can meet;
-    every rank gets both."""
-
-    def make() -> tuple[Plan, float]:  # what may cross ranks: the library's own classes
-        costs = profiled_costs(workload)
-        options: dict[str, Any] = {"hop": hop, "prune": False,
-                                   "action_overhead": action_overhead(torch.device("cpu"))}
-        grid = plan(costs, STAGES, workload.rows, microbatch_counts=COUNTS,
-                    checkpoints=["never", "always"], **options)
-        try:  # a limit nothing meets: the planner names the least it can meet
-            plan(costs, STAGES, workload.rows, memory_limit=1, **options)
-        except MemoryLimitError as error:
-            return grid, float(error.smallest_limit)
-        raise AssertionError("a plan fitted in one byte per stage")
-
-    found, leanest = on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")
-    return Grid(found, leanest)
-
-
-def schedule_label(candidate: Any) -> str:
-    options = ",".join(f"{k}={v}" for k, v in candidate.schedule_options.items())
-    return f"{candidate.schedule}({options})" if options else candidate.schedule
-
-
-def predicted(candidate: Any, source: str) -> Predicted:
-    return Predicted(source, schedule_label(candidate), candidate.microbatches,
-                     tuple(candidate.balance), candidate.checkpoint, candidate.step_time,
-                     tuple(candidate.peak_memory), candidate.describe(),
-                     candidate.pipe_options())
-
-
-def table_rows(auto: Plan, grid: Plan) -> list[Predicted]:
-    """The auto pick, the auto plan's other candidates the grid lacks, then the grid's runs
-    without recomputation (ranked by its prediction)."""
-    pick, *others = [predicted(c, "auto") for c in auto.candidates]
-    rows = [predicted(c, "grid") for c in grid.candidates if c.checkpoint == "never"]
-    known = {row.key for row in rows}
-    return [replace(pick, source="auto pick"), *(r for r in others if r.key not in known), *rows]
-
-
-def grid_entry(grid: Plan, schedule: str, microbatches: int, checkpoint: str) -> Predicted | None:
-    """The best-ranked candidate of ``grid`` with this schedule, M and checkpoint mode."""
-    return next((predicted(c, "grid") for c in grid.candidates
-                 if (c.schedule, c.microbatches, c.checkpoint)
-                 == (schedule, microbatches, checkpoint)), None)
-
-
-def torch_balance(rows: Sequence[Predicted]) -> tuple[int, ...]:
-    """The pick's cut, or, if the pick has several chunks per stage, the best one-chunk cut."""
-    return next(row.balance for row in rows if len(row.balance) == STAGES)
 
 
 # -- measuring --------------------------------------------------------------------------------

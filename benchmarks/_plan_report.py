@@ -17,17 +17,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from _plan_ranks import (
-    COUNTS,
-    REFERENCE_M,
-    STAGES,
-    WORKLOADS,
-    MemoryCase,
-    ModelReport,
-    Predicted,
-    Span,
-    rank_main,
-)
+from _plan_grid import Predicted
+from _plan_ranks import REFERENCE_M, MemoryCase, ModelReport, Span, rank_main
+from _plan_workloads import COUNTS, STAGES, WORKLOADS
 from _spawn import LoadMonitor, run_ranks
 
 BAR = 1.05

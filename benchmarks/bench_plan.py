@@ -13,11 +13,12 @@
    same model and a calibrated hop). Bar: the pick within 5% of the best measured.
 
 With ``--ranks 2``, part 2 runs on two gloo processes of this host instead (one torch
-thread each; benchmarks/_plan_ranks.py on the ranks, benchmarks/_plan_report.py prints),
-for each of ``--models`` (default both): examples/models.py's uneven MLP (batch 256) and
-a small GPT (examples/gpt.py, 9 layers, batch 32 x 32 tokens). Per model it measures,
-round-robin, a barrier before each step, a step's time the slower rank's, the median
-after a warm-up round (of the steps no other process's burst overlapped, where enough
+thread each; benchmarks/_plan_ranks.py and _plan_grid.py on the ranks, the models in
+_plan_workloads.py, benchmarks/_plan_report.py prints), for each of ``--models``
+(default both): examples/models.py's uneven MLP (batch 256) and a small GPT
+(examples/gpt.py, 9 layers, batch 32 x 32 tokens). Per model it measures, round-robin,
+a barrier before each step, a step's time the slower rank's, the median after a
+warm-up round (of the steps no other process's burst overlapped, where enough
 were quiet):
 
 - the pick: ``Pipe(chunks="auto", schedule="auto", checkpoint="never", sample=x)`` over
@@ -50,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _plan_ranks import WORKLOADS  # noqa: E402
 from _plan_report import run as run_on_two_ranks  # noqa: E402
+from _plan_workloads import WORKLOADS  # noqa: E402
 from examples.models import uneven_mlp  # noqa: E402
 from partitioners import LayerCost, LossCost, Profile, plan, plan_for_model  # noqa: E402
 from partitioners.plan_costs import linear_costs  # noqa: E402

@@ -27,8 +27,9 @@ import sys
 import time
 from typing import Any
 
+from _rounds import QUIET_CORES, measure_rounds, timed_between_barriers
 from _spawn import LoadMonitor, run_ranks
-from bench_vs_torch import QUIET_CORES, STAGES, _measure, _timed, make_batch, make_model
+from _vs_torch_model import STAGES, make_batch, make_model
 
 SCHEDULES = ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
@@ -65,10 +66,10 @@ def rank_main(rank: int, world: int, microbatches: int, schedules: list[str], wa
     runners = {name: Measured(rank, microbatches, name) for name in schedules}
     for runner in runners.values():
         for _ in range(warmup):
-            _timed(runner.step)
+            timed_between_barriers(runner.step)
             runner.after_step()
         runner.timelines.clear()
-    samples = _measure(rank, runners, steps, rounds, seconds, load)
+    samples = measure_rounds(rank, runners, steps, rounds, seconds, load)
     if rank != 0:
         return {}
     return {name: {"schedule": runner.pipe.schedule, "steps": samples[name],
