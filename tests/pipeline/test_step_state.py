@@ -123,11 +123,14 @@ def test_ctrl_c_ends_a_one_process_step_and_the_program_cleanly(schedule: str, t
     process = subprocess.Popen([sys.executable, str(script), schedule], cwd=root,
                                env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert process.stdout is not None and process.stdout.readline().strip() == "stepping"
-    time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    interrupted = time.monotonic()
-    _, err = process.communicate(timeout=60)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "stepping"
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()  # a failed or interrupted test leaves no program stepping forever
     assert time.monotonic() - interrupted < 10
     assert process.returncode == -signal.SIGINT, err[-2000:]
     assert "terminate called" not in err and "KeyboardInterrupt" in err
