@@ -122,7 +122,10 @@ def test_ctrl_c_ends_a_one_process_step_and_the_program_cleanly(schedule: str, t
     root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen([sys.executable, str(script), schedule], cwd=root,
                                env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               # as a terminal starts it: an ignored SIGINT in this process
+                               # (another test's leftover) would be inherited
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout is not None and process.stdout.readline().strip() == "stepping"
         time.sleep(0.5)
