@@ -10,12 +10,14 @@ import torch
 def _rows(value: Any, what: str) -> int | None:
     """Rows along dim 0 shared by every tensor of ``value``; None if one has no dim 0."""
     tensors = list(value) if isinstance(value, (tuple, list)) else [value]
-    rows = {t.shape[0] if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in tensors}
-    if None in rows:
-        return None
+    rows: set[int] = set()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None
+        rows.add(t.shape[0])
     if len(rows) != 1:
         raise ValueError(f"the tensors of the {what} must share dim 0, got sizes {sorted(rows)}")
-    return rows.pop()  # type: ignore[no-any-return]
+    return rows.pop()
 
 
 def _head(value: Any, rows: int) -> Any:

@@ -105,7 +105,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         _charge_loss(fields, loss)
         saved[-1] += loss.saved_bytes
     return ChunkSums(
-        *(tuple(values) for values in fields.values()),  # type: ignore[arg-type]
+        tuple(fields["F"]), tuple(fields["B"]), tuple(fields["I"]), tuple(fields["W"]),
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
         weight=tuple(weight),
     )

@@ -25,13 +25,13 @@ _NormBase = nn.modules.batchnorm._NormBase
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 
-def running_norms(module: nn.Module) -> list[nn.Module]:
+def running_norms(module: nn.Module) -> list[_NormBase]:
     """The normalisation layers of ``module`` that keep running statistics."""
     return [m for m in module.modules() if isinstance(m, _NormBase) and m.track_running_stats]
 
 
 @contextmanager
-def frozen_statistics(norms: list[nn.Module]) -> Iterator[None]:
+def frozen_statistics(norms: list[_NormBase]) -> Iterator[None]:
     """Within the body, running statistics may change; afterwards they are as before."""
     if not norms:
         yield
@@ -105,11 +105,16 @@ class DeferredStatistics:
                 if entry is None:
                     continue
                 total, squares, count, shift = entry
+                tracked, running_mean, running_var = (
+                    m.num_batches_tracked, m.running_mean, m.running_var)
+                # running_norms keeps only layers that track running statistics.
+                assert tracked is not None and running_mean is not None \
+                    and running_var is not None
                 centred_mean = total / count
                 mean = centred_mean + shift.reshape(-1)
                 variance = (squares - count * centred_mean * centred_mean) / max(1, count - 1)
-                m.num_batches_tracked.add_(1)
+                tracked.add_(1)
                 momentum = m.momentum
-                factor = 1.0 / float(m.num_batches_tracked) if momentum is None else momentum
-                m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype), alpha=factor)
-                m.running_var.mul_(1 - factor).add_(variance.to(m.running_var.dtype), alpha=factor)
+                factor = 1.0 / float(tracked) if momentum is None else momentum
+                running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+                running_var.mul_(1 - factor).add_(variance.to(running_var.dtype), alpha=factor)

@@ -21,72 +21,28 @@ The result, a ``HopModel``, is callable as ``Costs.comm``.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from schedules import Link, Op, Schedule
 
+from pipeline.hops import HopModel as HopModel  # re-exported: its home until pipeline.hops
 from pipeline.transports.base import PeerError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SMALL_BYTES = 64
 LARGE_BYTES = 1 << 20
 ROUNDS = 15  # timed ping-pongs per size (the median is kept)
 UNTIMED = 5  # ping-pongs first: the first ones after idle time read up to 10x slower
-
-
-@dataclass(frozen=True)
-class HopModel:
-    """Per pair of stages, a ``Link``; callable as ``Costs.comm``.
-
-    Attributes:
-        links: ``((source, destination, Link), ...)``, one entry per calibrated
-            pair, in both directions.
-        method: how the links were measured (for reports).
-        senders: like ``links``, what a send costs the *sending* stage's own time
-            (copying the payload into its message, the ``isend`` call, which under
-            gloo writes the bytes when the receive is posted, and the yield after it):
-            charged to the action whose result is sent, not to the hop. Empty where
-            sends cost the sender nothing worth counting (threads of one process).
-    """
-
-    links: tuple[tuple[int, int, Link], ...] = ()
-    method: str = "none"
-    senders: tuple[tuple[int, int, Link], ...] = ()
-
-    def send_seconds(self, source: int, destination: int, nbytes: float) -> float:
-        """Seconds the sending stage spends sending ``nbytes`` (0 when not calibrated)."""
-        for start, end, found in self.senders:
-            if (start, end) == (source, destination):
-                return found(source, destination, nbytes)
-        return 0.0
-
-    def link(self, source: int, destination: int) -> Link:
-        """The link from ``source`` to ``destination``; a free one for a stage to itself.
-
-        Raises:
-            ValueError: a pair of different stages that was not calibrated.
-        """
-        if source == destination:
-            return Link(0.0, math.inf)
-        for start, end, found in self.links:
-            if (start, end) == (source, destination):
-                return found
-        known = sorted({(s, d) for s, d, _ in self.links})
-        raise ValueError(f"no calibrated link from stage {source} to stage {destination}; "
-                         f"expected one of the calibrated pairs {known}")
-
-    def __call__(self, source: int, destination: int, nbytes: float) -> float:
-        """Seconds to move ``nbytes`` from stage ``source`` to stage ``destination``."""
-        return self.link(source, destination)(source, destination, nbytes)
 
 
 def hop_pairs(schedule: Schedule) -> list[tuple[int, int]]:
@@ -119,7 +75,7 @@ def fit_link(small: float, large: float, small_bytes: int = SMALL_BYTES,
 # -- across ranks ----------------------------------------------------------------------------
 
 
-def calibrate_group(group: Any, schedule: Schedule, device: torch.device,
+def calibrate_group(group: ProcessGroup, schedule: Schedule, device: torch.device,
                     timeout: float) -> HopModel:
     """Ping-pong between the ranks of each hop pair of ``schedule``; every rank gets all links.
 
@@ -163,8 +119,8 @@ def calibrate_group(group: Any, schedule: Schedule, device: torch.device,
                     else f"{dist.get_backend(group)} ping-pong", tuple(senders))
 
 
-def _ping_pong(group: Any, peer: int, leads: bool, device: torch.device, timeout: float,
-               pair: int) -> tuple[float, float, float, float]:
+def _ping_pong(group: ProcessGroup, peer: int, leads: bool, device: torch.device,
+               timeout: float, pair: int) -> tuple[float, float, float, float]:
     """One-way seconds (median of half round trips) for the small and the large message,
     then what a send of each cost the leader itself (median), sent as the runtime sends:
     the payload copied into the message, the receive posted before, a yield after."""

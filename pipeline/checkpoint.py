@@ -101,5 +101,5 @@ def seeded(
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
         else:
-            torch.random.default_generator.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
         yield Probe(device, watch)

@@ -24,7 +24,7 @@ from pipeline.values import MAX_MESSAGE_BYTES, decode, encode
 _REFUSALS = {1: TypeError, 2: ValueError}  # a rank's status in the size gather, when not 0
 
 
-def wait(work: Any, what: str, group: Any, timeout: float) -> None:
+def wait(work: Any, what: str, group: dist.ProcessGroup, timeout: float) -> None:
     """Wait for a collective posted asynchronously; a PeerError naming ``what`` on timeout."""
     try:
         work.wait(timedelta(seconds=timeout))
@@ -37,28 +37,30 @@ def wait(work: Any, what: str, group: Any, timeout: float) -> None:
         ) from error
 
 
-def all_reduce(tensor: torch.Tensor, group: Any, timeout: float, what: str,
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float, what: str,
                op: Any = dist.ReduceOp.SUM) -> None:
     wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, timeout)
 
 
-def all_gather(tensor: torch.Tensor, group: Any, timeout: float, what: str) -> list[torch.Tensor]:
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float, what: str
+               ) -> list[torch.Tensor]:
     rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     wait(dist.all_gather(rows, tensor, group=group, async_op=True), what, group, timeout)
     return rows
 
 
-def all_gather_async(tensor: torch.Tensor, group: Any) -> tuple[Any, list[torch.Tensor]]:
+def all_gather_async(tensor: torch.Tensor, group: dist.ProcessGroup
+                     ) -> tuple[Any, list[torch.Tensor]]:
     """Post an all-gather of ``tensor``; ``wait`` for the work before reading the rows."""
     rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     return dist.all_gather(rows, tensor, group=group, async_op=True), rows
 
 
-def barrier(group: Any, timeout: float, what: str) -> None:
+def barrier(group: dist.ProcessGroup, timeout: float, what: str) -> None:
     wait(dist.barrier(group=group, async_op=True), what, group, timeout)
 
 
-def gather_objects(value: Any, group: Any, timeout: float, what: str,
+def gather_objects(value: Any, group: dist.ProcessGroup, timeout: float, what: str,
                    device: torch.device | None = None) -> list[Any]:
     """Every rank's ``value``, on every rank, in group-rank order (two all-gathers: the sizes,
     then the messages). ``value`` may hold what ``encode`` takes: plain data, tensors (they
@@ -95,8 +97,8 @@ def gather_objects(value: Any, group: Any, timeout: float, what: str,
     return [decode(blob) for blob in blobs]
 
 
-def broadcast_object(value: Any, source: int, group: Any, timeout: float, what: str,
-                     device: torch.device | None = None) -> Any:
+def broadcast_object(value: Any, source: int, group: dist.ProcessGroup, timeout: float,
+                     what: str, device: torch.device | None = None) -> Any:
     """``value`` of group rank ``source``, on every rank (one gather: small objects only)."""
     return gather_objects(value if dist.get_rank(group) == source else None, group, timeout,
                           what, device)[source]

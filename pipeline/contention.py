@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from schedules import Costs, Schedule, Timeline, simulate
 
 from pipeline.probe import ones_like_outputs, probe_runner, untouched
 from pipeline.stage import ChunkRunner
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 WINDOW = 0.08  # seconds each stage loops, alone and together (at least LEAST iterations)
 LEAST = 2
@@ -70,7 +73,7 @@ def _one_pass(runners: Sequence[ChunkWork], microbatch: int) -> None:
         runner.backward(microbatch, ones_like_outputs(output, runner.spec.is_last))
 
 
-def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: Any,
+def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: ProcessGroup,
                         timeout: float, device: torch.device, window: float = WINDOW
                         ) -> tuple[float, str | None]:
     """This rank's loop time with every rank of ``group`` looping at once over its time

@@ -6,7 +6,7 @@ In one process (``group=None``) each helper simply does the work here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -15,8 +15,14 @@ from pipeline.checkpoint import CHECKPOINT_MODES, check_mode
 from pipeline.collectives import all_reduce, broadcast_object
 from pipeline.options import check_positive
 
+if TYPE_CHECKING:
+    from schedules import Link
 
-def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str) -> Any:
+T = TypeVar("T")
+
+
+def on_rank_zero(work: Callable[[], T], group: dist.ProcessGroup | None, timeout: float,
+                 what: str) -> T:
     """``work()`` run on rank 0 of ``group`` (or here, without one), its result on every rank.
 
     Rank 0's failure reaches every rank, so that no rank waits for a result that will
@@ -26,7 +32,7 @@ def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str)
         return work()
     from pipeline.process_groups import rank_device
 
-    decided: tuple[Any, str | None] = (None, None)
+    decided: tuple[T | None, str | None] = (None, None)
     error: BaseException | None = None
     if dist.get_rank(group) == 0:
         try:
@@ -40,12 +46,12 @@ def on_rank_zero(work: Callable[[], Any], group: Any, timeout: float, what: str)
         raise error
     if decided[1] is not None:
         raise ValueError(f"rank 0 failed in {what}: {decided[1]}")
-    return decided[0]
+    return cast(T, decided[0])  # rank 0's work() result, as it crossed
 
 
 def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
                 samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
-                memory_limit: float | None, group: Any, timeout: float) -> Any:
+                memory_limit: float | None, group: dist.ProcessGroup | None, timeout: float) -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
     rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
     is (a batch, its target or None, the loss function or None): with both of the last
@@ -83,8 +89,8 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
     return on_rank_zero(make, group, timeout, "planning")
 
 
-def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: Any,
-                    timeout: float) -> Any:
+def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: dist.ProcessGroup | None,
+                    timeout: float) -> Link | None:
     """The hop between the first two stages, calibrated as ``Pipe.predict``'s is (a ping-pong
     across ranks, or between two stage threads), taken for every pair: a ``schedules.Link``,
     or None with one stage."""
@@ -101,7 +107,8 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: Any,
     return hops.link(0, 1)
 
 
-def share_overflow(parameters: Iterable[torch.nn.Parameter], group: Any, timeout: float) -> None:
+def share_overflow(parameters: Iterable[torch.nn.Parameter], group: dist.ProcessGroup,
+                   timeout: float) -> None:
     """An inf or NaN gradient on one rank becomes one on every rank, so that a GradScaler
     skips the same step everywhere."""
     from pipeline.process_groups import rank_device

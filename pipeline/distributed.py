@@ -63,8 +63,8 @@ class DistRunner:
         device: torch.device,
         options: ChunkOptions,
         timeout: float,
-        group: Any,
-        data_group: Any,
+        group: dist.ProcessGroup,
+        data_group: dist.ProcessGroup | None,
         init_fn: Callable[[nn.Module], None] | None,
         transport: str = "auto",
     ) -> None:

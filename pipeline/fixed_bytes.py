@@ -3,14 +3,15 @@ gradients, the optimizer's state and its transport's receive buffers."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from schedules import Schedule
 
 from pipeline.probe import ChunkCosts
+from pipeline.runner import Runner
 from pipeline.stage import ChunkRunner
 
 
@@ -35,7 +36,7 @@ class FixedBytes:
         return self.parameters + self.gradients + self.optimizer + self.buffers
 
 
-def fixed_bytes(runner: Any, optimizer: torch.optim.Optimizer | None,
+def fixed_bytes(runner: Runner, optimizer: torch.optim.Optimizer | None,
                 measured: dict[int, ChunkCosts]) -> dict[int, FixedBytes]:
     """Per local stage: parameters, gradients, optimizer state and receive buffers."""
     schedule: Schedule = runner.schedule
@@ -63,7 +64,7 @@ _STATE_PER_PARAMETER = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax":
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None,
-                          parameters: list[torch.Tensor]) -> int:
+                          parameters: Sequence[torch.Tensor]) -> int:
     """Bytes of the optimizer's state for ``parameters`` once it has stepped.
 
     The state it already holds is counted as it is; otherwise the usual state per
@@ -90,7 +91,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None,
     return total
 
 
-def _receive_buffers(runner: Any, stage: int, measured: dict[int, ChunkCosts]) -> int:
+def _receive_buffers(runner: Runner, stage: int, measured: dict[int, ChunkCosts]) -> int:
     """Receive buffers of the stage's transport: the receives it posts ahead (gloo), one per
     posted receive under NCCL's rules, none between threads (payloads are handed over)."""
     transport = getattr(runner, "transport", None)

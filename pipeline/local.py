@@ -76,8 +76,10 @@ class LocalRunner:
             model, balance, schedule, self.devices, range(schedule.stages), make_chunk
         )
         self.plans = Plans(schedule)
+        # torch declares no types for Stream's constructor.
         self.streams = [
-            torch.cuda.Stream(device) if device.type == "cuda" else None for device in self.devices
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda" else None for device in self.devices
         ]
         self.memory: tuple[MemoryReport, ...] = ()
         self.hops = calibrate_local(self.devices, schedule, timeout)  # for Pipe.predict
@@ -182,7 +184,7 @@ class LocalRunner:
         if self.trackers[0] is not None:
             self.memory = tuple(t.report() for t in self.trackers if t is not None)
         timeline = measured_timeline(schedule, events, "measured")
-        return loss, PendingTimeline.ready(timeline)  # type: ignore[return-value]
+        return loss, PendingTimeline.ready(timeline)
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any]:
         schedule = self.schedule

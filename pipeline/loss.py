@@ -230,7 +230,8 @@ def _with_reduction(module: nn.modules.loss._Loss, reduction: str) -> nn.modules
 
 def _overrides_forward(module: nn.Module) -> bool:
     """Whether a subclass's own forward stands between the caller and torch's loss."""
-    torch_class = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
+    torch_class: type[Any] = next(c for c in type(module).__mro__
+                                  if c.__module__.startswith("torch."))
     return type(module).forward is not torch_class.forward
 
 
@@ -244,7 +245,9 @@ def _broadcast_ratio(module: nn.Module, output: Any, target: Any) -> float:
     if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
         return 1.0
     try:
-        shape = torch.broadcast_shapes(output.shape, target.shape)
+        # torch declares no types for broadcast_shapes.
+        shape: torch.Size = torch.broadcast_shapes(  # type: ignore[no-untyped-call]
+            output.shape, target.shape)
     except RuntimeError:
         return 1.0  # the module reports the mismatch itself
     if shape == target.shape or target.numel() == 0:
@@ -286,13 +289,13 @@ def _copies(value: Any) -> Any:
         lambda leaf: leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf, value)
 
 
-def _indexed_count(module: nn.Module, target: torch.Tensor) -> float:
+def _indexed_count(module: nn.CrossEntropyLoss | nn.NLLLoss, target: torch.Tensor) -> float:
     """What torch's mean divides by for one micro-batch of class-index (or probability) targets."""
     if target.is_floating_point():
         # Class probabilities: one term per position, the class dimension (1) summed away.
         return float(target.numel() // max(1, target.shape[1] if target.dim() > 1 else 1))
-    kept = target != module.ignore_index  # type: ignore[attr-defined]
-    weight = module.weight  # type: ignore[attr-defined]
+    kept = target != module.ignore_index
+    weight = module.weight
     if weight is None:
         return float(kept.sum())
     return float(weight.to(target.device)[target[kept]].double().sum())

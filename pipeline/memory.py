@@ -82,7 +82,8 @@ class ActivationTracker:
             return
         if tensor.numel() * tensor.element_size() == 0:
             return
-        view = (key, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+        view = (key, storage, int(tensor.storage_offset()), tuple(tensor.shape),
+                tuple(tensor.stride()))
         with self._lock:
             aliases = self._tracked.get(view)
             self._tracked[view] = (aliases or 0) + 1
@@ -151,7 +152,7 @@ class ActivationTracker:
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes ``[start, end)`` of its storage that a (non-empty) view reaches."""
     size = tensor.element_size()
-    start = tensor.storage_offset() * size
+    start = int(tensor.storage_offset()) * size
     reach = 1 + sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride()))
     return start, start + reach * size
 

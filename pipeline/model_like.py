@@ -7,11 +7,12 @@ of the model after (with a group: this rank's layers only).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from pipeline.runner import Runner
 from pipeline.shared import check_keys, check_ties_kept
 
 
@@ -22,7 +23,7 @@ class ModelLike:
     """Mixed into ``Pipe``: what a training loop calls on a model."""
 
     model: nn.Sequential
-    _runner: Any
+    _runner: Runner | None
     _ties: list[tuple[str, ...]]  # the model's tied keys, read before any rank freed a layer
 
     def parameters(self) -> Iterator[nn.Parameter]:

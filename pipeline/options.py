@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from partitioners import uniform
 from schedules import Schedule, get_schedule, schedule_info, validate
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def check_model(model: Any) -> nn.Sequential:
@@ -99,7 +102,7 @@ def count_stages(
     balance: Any,
     stages: int | None,
     per_stage: int,
-    group: Any,
+    group: ProcessGroup | None,
 ) -> tuple[int, str]:
     """The stage count every argument that implies one agrees on, and where it came from.
 
@@ -139,7 +142,8 @@ def count_stages(
     return count, f"{count} stages from {source} x {per_stage} chunks per stage"
 
 
-def resolve_devices(devices: Sequence[Any] | None, stages: int, group: Any) -> list[torch.device]:
+def resolve_devices(devices: Sequence[Any] | None, stages: int, group: ProcessGroup | None
+                    ) -> list[torch.device]:
     """One device per stage in one process; with a group, this rank's device alone.
 
     Raises:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -27,10 +27,13 @@ from pipeline.options import (
     count_stages,
     resolve_devices,
 )
-from pipeline.runner import PendingTimeline
+from pipeline.runner import PendingTimeline, Runner
 from pipeline.shared import tied_keys
 from pipeline.stage import ChunkOptions
 from pipeline.transports.base import PeerError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
@@ -99,11 +102,11 @@ class Pipe(ModelLike):
         loss_fn: Callable[..., torch.Tensor] | None = None,
         sample: Any = None,
         *,
-        group: Any = None,
+        group: ProcessGroup | None = None,
         stages: int | None = None,
         schedule_options: dict[str, Any] | None = None,
         timeout: float = 60.0,
-        data_group: Any = None,
+        data_group: ProcessGroup | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
         loss_count: Callable[[Any], Any] | None = None,
         deferred_batch_norm: bool = False,
@@ -127,7 +130,7 @@ class Pipe(ModelLike):
         self._init_fn = init_fn
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
-        per_stage = 1 if planning else chunks_per_stage(schedule, options)  # type: ignore[arg-type]
+        per_stage = 1 if planning else chunks_per_stage(schedule, options)
         stage_count, self._stage_source = count_stages(schedule, devices, balance, stages,
                                                        per_stage, group)
         self._devices = resolve_devices(devices, stage_count, group)
@@ -152,7 +155,7 @@ class Pipe(ModelLike):
         self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
         self._balance_request = balance
         self._balance = self._resolve_balance(sample)
-        self._runner: Any = None
+        self._runner: Runner | None = None
         self._ties = tied_keys(self.model)
         self._timeline: Timeline | None = None
         self._pending: PendingTimeline | None = None  # the last step's, until read
@@ -163,27 +166,30 @@ class Pipe(ModelLike):
 
     # -- construction ---------------------------------------------------------------------
 
-    def _build_runner(self) -> None:
+    def _build_runner(self) -> Runner:
         assert self._balance is not None
         self._recent.clear()
         self._pending = None
+        runner: Runner
         if self._group is None:
             from pipeline.local import LocalRunner
 
-            self._runner = LocalRunner(
+            runner = LocalRunner(
                 self.model, self._balance, self._schedule, self._devices, self._options,
                 self.timeout,
             )
         else:
             from pipeline.distributed import DistRunner
 
-            self._runner = DistRunner(
+            runner = DistRunner(
                 self.model, self._balance, self._schedule, self._devices[0], self._options,
                 self.timeout, self._group, self._data_group, self._init_fn, self._transport,
             )
+        self._runner = runner
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
-        self._release = weakref.finalize(self, self._runner.release)
+        self._release = weakref.finalize(self, runner.release)
+        return runner
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
         def resolve() -> list[int] | None:
@@ -200,7 +206,8 @@ class Pipe(ModelLike):
         # Measured balances differ from rank to rank: the first rank's is everyone's.
         return on_rank_zero(resolve, self._group, self.timeout, "balance")
 
-    def _ensure_runner(self, sample: Any) -> None:
+    def _ensure_runner(self, sample: Any) -> Runner:
+        """The runner, built first where a 'time' balance waited for a batch."""
         if self._closed:
             raise RuntimeError("this Pipe was closed; build a new one")
         if self._runner is None:
@@ -208,7 +215,8 @@ class Pipe(ModelLike):
             self._balance = self._resolve_balance(first)
             if self._balance is None:
                 raise ValueError("balance='time' needs a sample: pass sample=... or a batch")
-            self._build_runner()
+            return self._build_runner()
+        return self._runner
 
     # -- what users read ------------------------------------------------------------------
 
@@ -296,7 +304,7 @@ class Pipe(ModelLike):
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
         inputs, targets = split_batch(x, target, self.chunks, self._group is None)
-        self._ensure_runner(x)
+        runner = self._ensure_runner(x)
         self._settle_timeline()
         assert self._loss_rule is not None
         weights = self._loss_rule.weights(targets) if targets is not None else None
@@ -306,7 +314,7 @@ class Pipe(ModelLike):
             scale = float(scaler.get_scale())
         if weights is not None and scale != 1.0:
             weights = [w * scale for w in weights]
-        loss, self._pending = self._runner.run_step(inputs, targets, weights)
+        loss, self._pending = runner.run_step(inputs, targets, weights)
         if scale != 1.0 and self._group is not None:
             share_overflow(self.parameters(), self._group, self.timeout)
         return loss / scale if scale != 1.0 else loss
@@ -346,9 +354,9 @@ class Pipe(ModelLike):
         if self.loss_fn is None:
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
         inputs, targets = split_batch(x, target, self.chunks, self._group is None, "predict")
-        self._ensure_runner(x)
+        runner = self._ensure_runner(x)
         self._settle_timeline()
-        return predict_step(self._runner, inputs, targets, optimizer=optimizer,
+        return predict_step(runner, inputs, targets, optimizer=optimizer,
                             group=self._group, timeout=self.timeout,
                             measured=tuple(self._recent) or None).timeline
 
@@ -361,8 +369,8 @@ class Pipe(ModelLike):
         if x is None and self._group is None:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
         inputs = split(x, self.chunks) if x is not None else None
-        self._ensure_runner(x)
-        outputs = self._runner.run_forward(inputs)
+        runner = self._ensure_runner(x)
+        outputs = runner.run_forward(inputs)
         if outputs is None:
             return None
         if isinstance(x, list):

@@ -21,19 +21,24 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
-from pipeline.calibration import HopModel, action_overhead, measured_hop_delay, refined
+from pipeline.calibration import action_overhead, measured_hop_delay, refined
 from pipeline.contention import ChunkWork, contended, factor_across_ranks, slowed
 from pipeline.fixed_bytes import FixedBytes, fixed_bytes
+from pipeline.hops import HopModel
 from pipeline.microbatch import batch_size, to_device
 from pipeline.payload import from_wire, map_tensors, to_wire
 from pipeline.probe import ChunkCosts, probe_chunk
+from pipeline.runner import Runner
 from pipeline.stage import ChunkRunner
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,12 @@ class Prediction:
 
 
 def predict_step(
-    runner: Any,
+    runner: Runner,
     inputs: list[Any] | None,
     targets: list[Any] | None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    group: Any = None,
+    group: ProcessGroup | None = None,
     timeout: float = 60.0,
     measured: Timeline | Sequence[Timeline] | None = None,
 ) -> Prediction:
@@ -82,7 +87,7 @@ def predict_step(
 
     Args:
         runner: a ``LocalRunner`` or ``DistRunner`` (its ``chunks``, ``schedule``,
-            ``hops``, and with a group ``stage``, ``device`` and ``transport``).
+            ``hops``, and with a group its ``transport``).
         inputs: the micro-batches of ``x`` (where the first chunk runs), else None.
         targets: the micro-batches of the target (where the last chunk runs), else None.
         optimizer: counted for its state (Adam: two tensors per parameter).
@@ -104,11 +109,13 @@ def predict_step(
         PeerError: a rank failed or did not answer within ``timeout``.
     """
     schedule: Schedule = runner.schedule
-    rows = _rows(inputs, targets, group, timeout, runner)
+    device = _any_device(runner)  # with a group, this rank's device: its chunks are all there
+    rows = _rows(inputs, targets, group, timeout, device)
     largest = max(range(len(rows)), key=lambda m: rows[m])
-    local, failure, work = _measure_chunks(runner, inputs, targets, largest, group, timeout)
-    factor, failure = _contention(runner, work, failure, group, timeout)
-    overhead = action_overhead(_any_device(runner))
+    local, failure, work = _measure_chunks(runner, inputs, targets, largest, group, timeout,
+                                           device)
+    factor, failure = _contention(runner, work, failure, group, timeout, device)
+    overhead = action_overhead(device)
     fixed_local = fixed_bytes(runner, optimizer, local)
     delay, busy = _from_measured(schedule, measured)
     if group is None:
@@ -116,7 +123,7 @@ def predict_step(
         factors = factor
     else:
         chunks, overheads, fixed, delay, busy, factors = _gather(
-            runner, (local, overhead, fixed_local, failure, delay, busy, factor), group, timeout)
+            (local, overhead, fixed_local, failure, delay, busy, factor), group, timeout, device)
     hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
@@ -199,8 +206,8 @@ def build_costs(
 # -- measuring this process's chunks ----------------------------------------------------------
 
 
-def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: Any, timeout: float,
-          runner: Any) -> list[int]:
+def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: ProcessGroup | None,
+          timeout: float, device: torch.device) -> list[int]:
     """Rows of each micro-batch, known where x or the target is, shared with every rank."""
     known = inputs if inputs is not None else targets
     rows = None if known is None else [batch_size(part) for part in known]
@@ -209,17 +216,17 @@ def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: Any, timeo
         return rows
     from pipeline.collectives import gather_objects
 
-    everyone = gather_objects(rows, group, timeout, "sharing the micro-batch sizes",
-                              runner.device)
-    found = [r for r in everyone if r is not None]
+    everyone = gather_objects(rows, group, timeout, "sharing the micro-batch sizes", device)
+    found: list[list[int]] = [r for r in everyone if r is not None]
     if not found:
         raise ValueError("predict() needs x on the rank of the first chunk and the target on "
                          "the rank of the last chunk, got neither on any rank")
     return found[0]
 
 
-def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | None,
-                    largest: int, group: Any, timeout: float
+def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any] | None,
+                    largest: int, group: ProcessGroup | None, timeout: float,
+                    device: torch.device
                     ) -> tuple[dict[int, ChunkCosts], str | None, dict[int, ChunkWork]]:
     """Each local chunk's costs, its input the previous chunk's output for the largest
     micro-batch (sent on from rank to rank where the placement crosses), the first
@@ -256,12 +263,13 @@ def _measure_chunks(runner: Any, inputs: list[Any] | None, targets: list[Any] | 
         if group is not None and c + 1 < schedule.chunks \
                 and schedule.placement[c + 1] != schedule.placement[c]:
             carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
-                                        group, timeout, runner.device)
+                                        group, timeout, device)
     return measured, failure, work
 
 
-def _contention(runner: Any, work: dict[int, ChunkWork], failure: str | None, group: Any,
-                timeout: float) -> tuple[tuple[float, ...], str | None]:
+def _contention(runner: Runner, work: dict[int, ChunkWork], failure: str | None,
+                group: ProcessGroup | None, timeout: float, device: torch.device
+                ) -> tuple[tuple[float, ...], str | None]:
     """The contention factors of this process's stages (``pipeline.contention``) and the
     failure so far. With a group every rank takes part, failed or not; under NCCL (a GPU
     per rank, nothing to share) none is measured."""
@@ -271,8 +279,7 @@ def _contention(runner: Any, work: dict[int, ChunkWork], failure: str | None, gr
     if group is None or dist.get_backend(group) == "nccl":  # NCCL: a GPU per rank
         return (1.0,) * schedule.stages, failure
     mine = [] if failure is not None else [work[c] for c in sorted(work)]
-    factor, failed = factor_across_ranks(mine, schedule.microbatches, group, timeout,
-                                         runner.device)
+    factor, failed = factor_across_ranks(mine, schedule.microbatches, group, timeout, device)
     return (factor,), failure or failed
 
 
@@ -284,7 +291,7 @@ def _chunk_input(chunk: int, inputs: list[Any] | None, carried: Any, largest: in
     return inputs[largest]
 
 
-def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: Any,
+def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: ProcessGroup,
              timeout: float, device: torch.device) -> tuple[Any, str | None]:
     """The producing rank's output (on the CPU) and any failure so far, on every rank. The
     output crosses as the runtime's payloads do (``to_wire``)."""
@@ -303,11 +310,11 @@ def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: 
     return None if wired is None else from_wire(*wired), (failures[0] if failures else None)
 
 
-def _any_device(runner: Any) -> torch.device:
+def _any_device(runner: Runner) -> torch.device:
     return runner.chunks[next(iter(runner.chunks))].device
 
 
-def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
+def _gather(mine: tuple[Any, ...], group: ProcessGroup, timeout: float, device: torch.device
             ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
                        float | None, tuple[float, ...] | None, tuple[float, ...]]:
     """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time,
@@ -317,7 +324,7 @@ def _gather(runner: Any, mine: tuple[Any, ...], group: Any, timeout: float
     from pipeline.collectives import gather_objects
 
     everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
-                              "predict()", runner.device)
+                              "predict()", device)
     failures = [f"rank {rank}: {entry[3]}" for rank, entry in enumerate(everyone) if entry[3]]
     if failures:
         raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")

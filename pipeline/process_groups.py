@@ -18,14 +18,14 @@ from schedules import Schedule
 from pipeline.collectives import barrier, gather_objects
 
 
-def rank_device(group: Any) -> torch.device:
+def rank_device(group: dist.ProcessGroup) -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` under NCCL, the CPU otherwise."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
-def check_agreement(group: Any, timeout: float, **settings: Any) -> None:
+def check_agreement(group: dist.ProcessGroup, timeout: float, **settings: Any) -> None:
     """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings.
 
     One small all-gather; the message names each rank that differs from the majority.
@@ -44,7 +44,7 @@ def check_agreement(group: Any, timeout: float, **settings: Any) -> None:
         raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
 
 
-def clock_offset(group: Any, timeout: float, device: torch.device) -> float:
+def clock_offset(group: dist.ProcessGroup, timeout: float, device: torch.device) -> float:
     """Seconds to subtract from this rank's ``time.perf_counter()`` to read the first rank's.
 
     Ranks on one host read the same monotonic clock: 0. Across hosts the offset is
@@ -99,7 +99,7 @@ def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
     return pipeline_group, data_group
 
 
-def check_ranks_agree(group: Any, timeout: float, **arguments: Any) -> None:
+def check_ranks_agree(group: dist.ProcessGroup, timeout: float, **arguments: Any) -> None:
     """Raise on every rank unless every rank passed the same ``arguments`` (a Schedule is
     compared by its digest)."""
     schedule = arguments.get("schedule")

@@ -13,6 +13,7 @@ from schedules import CommPlan, Event, Schedule, Timeline, comm_plan, forward_on
 
 from pipeline.checkpoint import step_seed
 from pipeline.executor import StagePlan, StageResult
+from pipeline.hops import HopModel
 from pipeline.memory import MemoryReport
 from pipeline.payload import differentiable, flatten
 from pipeline.stage import ChunkRunner
@@ -50,8 +51,18 @@ class Runner(Protocol):
 
     The seam is not yet the only place that tells them apart: ``Pipe``, ``predict`` and a
     few others still ask whether there is a group (issue 24).
+
+    Attributes:
+        schedule: the Schedule it runs.
+        chunks: this process's chunks by model-chunk index (all of them in one process).
+        hops: the hop model its construction calibrated (for ``Pipe.predict``).
+        memory: per local stage, the activation memory of the last step (with
+            ``memory_report``; else empty).
     """
 
+    schedule: Schedule
+    chunks: dict[int, ChunkRunner]
+    hops: HopModel
     memory: tuple[MemoryReport, ...]
 
     def run_step(
@@ -69,6 +80,9 @@ class Runner(Protocol):
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None: ...
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+
+    def release(self) -> None:
+        """Release what outlives a step without waiting for other ranks (a finalizer)."""
 
     def close(self) -> None:
         """Release communicators, threads' state and buffers."""

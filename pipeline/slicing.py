@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from schedules import Schedule
+
+Chunk = TypeVar("Chunk")
 
 
 def slices(model: nn.Sequential, balance: Sequence[int]) -> list[tuple[int, nn.Sequential]]:
@@ -27,8 +29,8 @@ def build_chunks(
     schedule: Schedule,
     devices: Sequence[torch.device],
     stages: Sequence[int],
-    make_chunk: Any,
-) -> dict[int, Any]:
+    make_chunk: Callable[[int, int, int, nn.Sequential, torch.device], Chunk],
+) -> dict[int, Chunk]:
     """Move each chunk of the listed stages onto its stage's device and wrap it.
 
     Args:
@@ -39,7 +41,7 @@ def build_chunks(
         stages: the stages to build (all of them in one process, one per rank).
         make_chunk: ``make_chunk(index, stage, first_layer, layers, device)`` -> chunk.
     """
-    built = {}
+    built: dict[int, Chunk] = {}
     for index, (first, layers) in enumerate(slices(model, balance)):
         stage = schedule.placement[index]
         if stage in stages:

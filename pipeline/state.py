@@ -46,7 +46,7 @@ def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None
     return dict(sorted(merged.items(), key=lambda item: _layer_order(item[0])))
 
 
-def _gather_bytes(part: torch.Tensor, lengths: list[int], group: Any, dst: int,
+def _gather_bytes(part: torch.Tensor, lengths: list[int], group: dist.ProcessGroup, dst: int,
                   timeout: float) -> list[torch.Tensor] | None:
     """Every rank's bytes ``part`` (of the given lengths) on group rank ``dst``; None elsewhere."""
     padded = torch.zeros(max(lengths), dtype=torch.uint8)

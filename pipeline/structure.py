@@ -21,7 +21,7 @@ import sys
 import types
 from collections import OrderedDict, defaultdict, namedtuple
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -261,8 +261,8 @@ def _build(data: Any, leaves: Iterator[Any], depth: int) -> Any:
     expect(depth < MAX_DEPTH, f"at most {MAX_DEPTH} nested containers", "more")
     expect(type(data) is dict and type(data.get("node")) is str, "a tree node", data)
     kind = data["node"]
-    fields = _NODE_FIELDS.get(kind)
-    expect(fields is not None, f"a node kind among {sorted(_NODE_FIELDS)}", kind)
+    expect(kind in _NODE_FIELDS, f"a node kind among {sorted(_NODE_FIELDS)}", kind)
+    fields = _NODE_FIELDS[kind]
     expect(set(data) == fields and type(data["children"]) is list,
             f"a {kind} node with the fields {sorted(fields)}", data)
     children = [_build(child, leaves, depth + 1) for child in data["children"]]
@@ -395,7 +395,7 @@ def load_document(data: bytes, what: str, keys: tuple[str, ...], version: int,
            f"an object with keys {named}", document)
     expect(document["format"] == version and type(document["format"]) is int,
            f"format {version}", document["format"])
-    return document
+    return cast(dict[str, Any], document)  # json.loads gives Any; checked a dict above
 
 
 def expect(condition: bool, expected: str, given: Any) -> None:

@@ -248,6 +248,7 @@ class _Reader:
         expect(set(data) == {"type", "fields"} and type(fields) is dict
                and set(fields) == set(_fields(cls)),
                f"a {name} with the fields {', '.join(_fields(cls))}", data)
+        assert isinstance(fields, dict)  # checked just above
         values = {field: self.value(item, depth + 1) for field, item in fields.items()}
         return _rebuild(name, lambda: cls(**values))
 

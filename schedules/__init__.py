@@ -18,7 +18,8 @@ from schedules.timeline import Event, Timeline
 from schedules.timeline import MemoryTrace
 from schedules.validate import validate
 from schedules.comm_validate import validate_comm
-from schedules.comm import CommOp, CommPlan, Group, comm_plan
+from schedules.comm import CommPlan, comm_plan
+from schedules.comm_ops import CommOp, Group
 from schedules.forward import forward_only
 from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
 from schedules.zero_bubble_v import zero_bubble_v

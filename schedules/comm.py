@@ -206,7 +206,7 @@ def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
             stages = _ordered(schedule, messages)
         else:
             stages = _local(schedule, messages, paired=strategy == "paired")
-    return CommPlan(schedule, stages, strategy)
+    return CommPlan(schedule, tuple(tuple(steps) for steps in stages), strategy)
 
 
 def _messages(schedule: Schedule) -> list[Message]:

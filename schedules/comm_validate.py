@@ -240,7 +240,9 @@ def _raise_stall(plan: CommPlan, stuck: dict[int, int]) -> None:
     waits_on: dict[int, tuple[int, CommOp]] = {}
     for stage, at in stuck.items():
         before = _posted(plan.stages[stage], at - 1)
-        for op in plan.stages[stage][at].ops:
+        group = plan.stages[stage][at]
+        assert not isinstance(group, Action)  # a stage is only ever stuck in a group
+        for op in group.ops:
             mine = (op.kind, op.channel, op.peer)
             number = before[mine]
             before[mine] += 1

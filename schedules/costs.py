@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, cast
 
@@ -309,11 +309,11 @@ def _recomputed(recompute: Checkpoint | Sequence[bool], micro: int) -> tuple[boo
         return (True,) * micro
     if recompute == "except_last":
         return (True,) * (micro - 1) + (False,)
-    flags = tuple(recompute)  # type: ignore[arg-type]
+    flags = tuple(recompute)
     if len(flags) != micro:
         raise ValueError(f"recompute: expected {micro} bools (one per micro-batch), "
                          f"got {len(flags)}")
-    return flags  # type: ignore[return-value]
+    return flags
 
 
 def _hops(
@@ -382,7 +382,8 @@ def checked_value(name: str, value: object) -> float | tuple[float, ...]:
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name}: expected a number or a sequence of numbers, got {value!r}")
     try:
-        values = tuple(value)  # type: ignore[call-overload]
+        # Anything tuple() accepts: the TypeError it raises otherwise is the check.
+        values = tuple(cast(Iterable[object], value))
     except TypeError:
         raise TypeError(f"{name}: expected a number or a sequence of numbers, "
                         f"got {value!r}") from None
@@ -392,7 +393,7 @@ def checked_value(name: str, value: object) -> float | tuple[float, ...]:
 def _checked_comm(comm: Comm) -> Comm:
     if callable(comm):
         return comm
-    if isinstance(comm, numbers.Real):
+    if isinstance(comm, (float, numbers.Real)):
         return _check_number("comm", comm)
     rows = tuple(tuple(_check_number(f"comm[{s}][{d}]", t) for d, t in enumerate(row))
                  for s, row in enumerate(comm))

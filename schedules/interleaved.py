@@ -72,11 +72,11 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks_per_stage: int = 2) 
     chunks = range(chunks_per_stage)
     forwards = [(m, j) for group in groups for j in chunks for m in group]
     backwards = [(m, j) for group in groups for j in reversed(chunks) for m in group]
-    order = []
+    orders: list[tuple[Action, ...]] = []
     for stage in range(stages):
         warmup = (chunks_per_stage - 1) * len(groups[0]) + 2 * (stages - 1 - stage)
-        order.append(_stage_order(stage, stages, forwards, backwards, warmup))
-    return Schedule(stages, microbatches, tuple(order), placement, name="interleaved-1f1b")
+        orders.append(_stage_order(stage, stages, forwards, backwards, warmup))
+    return Schedule(stages, microbatches, tuple(orders), placement, name="interleaved-1f1b")
 
 
 def _groups(stages: int, microbatches: int) -> list[range]:

@@ -130,7 +130,7 @@ def _row(timeline: Timeline, stage: int) -> int:
 
 def _points_per_unit(ax: Any, timeline: Timeline) -> float:
     """How many points of the axes' width one unit of time takes."""
-    axes_points = ax.get_position().width * ax.get_figure().get_figwidth() * 72.0
+    axes_points: float = ax.get_position().width * ax.get_figure().get_figwidth() * 72.0
     return axes_points / (timeline.makespan or 1.0)
 
 

@@ -100,7 +100,7 @@ def _keyword_costs(
             raise ValueError(f"{name} cost: expected one number or {stages} per-stage numbers, "
                              f"got {len(number)}")
     hops = 0.0 if comm is None else comm
-    return Costs.from_stages(comm=hops, **checked)  # type: ignore[arg-type]
+    return Costs.from_stages(comm=hops, **checked)
 
 
 def _replay(
@@ -296,8 +296,9 @@ def simulate_measured(schedule: Schedule, measured: Timeline, comm: Comm = 0.0) 
 def _op_means(totals: dict[Op, list[float] | None]) -> tuple[float, float, float, float]:
     """One chunk's mean F, B, I, W, a missing op derived as ``Costs`` does (0 if underived)."""
     mean = {op: None if total is None else total[0] / total[1] for op, total in totals.items()}
-    i, w = mean[Op.I], mean[Op.W]
-    b = mean[Op.B] if mean[Op.B] is not None else (i or 0.0) + (w or 0.0)
+    b, i, w = mean[Op.B], mean[Op.I], mean[Op.W]
+    if b is None:
+        b = (i or 0.0) + (w or 0.0)
     if i is None:
         i = max(b - w, 0.0) if w is not None else b / 2
     if w is None:

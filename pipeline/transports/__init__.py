@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ TRANSPORTS: tuple[str, ...] = ("auto", "gloo", "ordered")
 
 def make_transport(
     name: str,
-    group: Any,
+    group: dist.ProcessGroup,
     stage_ranks: Sequence[int],
     stage: int,
     device: torch.device,

@@ -110,7 +110,7 @@ class GlooTransport(KeyedTransport):
 
     def __init__(
         self,
-        group: Any,
+        group: dist.ProcessGroup,
         stage_ranks: Sequence[int],
         stage: int,
         device: torch.device,
@@ -143,7 +143,7 @@ class GlooTransport(KeyedTransport):
         self.yield_after_send = device.type == "cpu" and hasattr(os, "sched_yield")
         self.pool = BufferPool(device)  # receive buffers
         self.send_pool = BufferPool(device)
-        self._headers: dict[tuple[Metas, bool], torch.Tensor] = {}
+        self._headers: dict[tuple[Metas, int], torch.Tensor] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []  # in flight, with their buffers
         self._owed: dict[ActionKey, list[int]] = {}
         # What each message carried last step; both ends keep the same record, so they
@@ -222,7 +222,7 @@ class GlooTransport(KeyedTransport):
                 f"stage {self.stage} could not receive from rank {peer} (it died?): {error}", peer
             ) from error
 
-    def _group_of(self, key: ActionKey) -> Any:
+    def _group_of(self, key: ActionKey) -> dist.ProcessGroup:
         return self.group if key[0] is Op.F else self.backward_group
 
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:

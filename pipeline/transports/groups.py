@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 
-def pipeline_groups(group: Any, stage_ranks: Sequence[int], count: int) -> list[Any]:
+def pipeline_groups(group: dist.ProcessGroup, stage_ranks: Sequence[int], count: int
+                    ) -> list[dist.ProcessGroup]:
     """``count`` new process groups over ``stage_ranks``, on ``group``'s backend.
 
     ``new_group`` is collective over the whole world, so with several pipelines
@@ -20,7 +19,7 @@ def pipeline_groups(group: Any, stage_ranks: Sequence[int], count: int) -> list[
     pipelines = [tuple(stage_ranks)]
     if dist.get_world_size() != len(stage_ranks):
         pipelines = sorted(set(_every_pipeline(stage_ranks)))
-    mine: list[Any] = []
+    mine: list[dist.ProcessGroup] = []
     for ranks in pipelines:
         made = [dist.new_group(list(ranks), backend=backend) for _ in range(count)]
         if ranks == tuple(stage_ranks):
@@ -50,7 +49,7 @@ def _every_pipeline(stage_ranks: Sequence[int]) -> list[tuple[int, ...]]:
     return pipelines
 
 
-def destroy(groups: Sequence[Any]) -> None:
+def destroy(groups: Sequence[dist.ProcessGroup]) -> None:
     """Destroy process groups made by ``pipeline_groups``; ones already gone are skipped."""
     for made in groups:
         try:

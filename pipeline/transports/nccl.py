@@ -54,11 +54,12 @@ from pipeline.transports.wire import (
 
 @dataclass(frozen=True)
 class _Channel:
-    data: Any  # a process group: one communicator for the channel's payloads
-    header: Any  # and one for their headers
+    data: dist.ProcessGroup  # one communicator for the channel's payloads
+    header: dist.ProcessGroup  # and one for their headers
 
 
-def channel_groups(group: Any, stage_ranks: Sequence[int], channels: Sequence[int]) -> dict[int, _Channel]:
+def channel_groups(group: dist.ProcessGroup, stage_ranks: Sequence[int],
+                   channels: Sequence[int]) -> dict[int, _Channel]:
     """Two communicators per channel over the pipeline's ranks (``groups.pipeline_groups``)."""
     made = pipeline_groups(group, stage_ranks, 2 * len(channels))
     return {channel: _Channel(made[2 * index], made[2 * index + 1])
@@ -70,7 +71,7 @@ class OrderedTransport:
 
     def __init__(
         self,
-        group: Any,
+        group: dist.ProcessGroup,
         stage_ranks: Sequence[int],
         stage: int,
         device: torch.device,
@@ -205,10 +206,12 @@ class OrderedTransport:
         works = []
         for op in first.values():
             try:
-                works.append(dist.isend(failure, self.stage_ranks[op.peer],
-                                        group=self.channels[op.channel].header))
+                work = dist.isend(failure, self.stage_ranks[op.peer],
+                                  group=self.channels[op.channel].header)
             except RuntimeError:
-                pass  # that peer is gone already
+                continue  # that peer is gone already
+            if work is not None:  # None only if this rank were outside the channel's group
+                works.append(work)
         self._owed = []
         for work in works:
             try:
