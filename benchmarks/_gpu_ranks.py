@@ -29,7 +29,7 @@ def rank_main(rank: int, world: int, port: int, backend: str, schedules: list[st
     """One spawned rank: every schedule on a fresh group; one answer per schedule."""
     import torch.distributed as dist
 
-    os.environ["LOCAL_RANK"] = str(rank)  # pipeline.distributed picks cuda:LOCAL_RANK
+    os.environ["LOCAL_RANK"] = str(rank)  # pipeline.runtime.dist_runner picks cuda:LOCAL_RANK
     torch.set_num_threads(1)
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -99,7 +99,7 @@ class Ranks:
 
     def __init__(self, backend: str, schedules: list[str], stall_in: str | None,
                  timeout: float) -> None:
-        from pipeline.launch import free_port
+        from pipeline.group.launch import free_port
 
         context = multiprocessing.get_context("spawn")
         self.results = context.Queue()

@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from _plan_workloads import COUNTS, STAGES, TIMEOUT, Workload
 from partitioners import MemoryLimitError, Plan, Profile, plan, profile
-from pipeline.calibration import action_overhead, calibrate_group
-from pipeline.coordination import on_rank_zero
+from pipeline.group.links import calibrate_group
+from pipeline.predict.overheads import action_overhead
+from pipeline.setup.coordination import on_rank_zero
 from schedules import Link, get_schedule
 
 

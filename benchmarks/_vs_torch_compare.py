@@ -1,5 +1,5 @@
 """bench_vs_torch --model: ours against torch on one model in fresh processes, launches
-alternating, with our step's breakdown per rank (``pipeline.executor.StepMeter``).
+alternating, with our step's breakdown per rank (``pipeline.runtime.executor.StepMeter``).
 
 ``side_main`` runs on the ranks; it reads the BENCH_YIELD, BENCH_LOOKAHEAD and
 BENCH_AHEAD_BYTES experiment knobs of our gloo transport (see bench_vs_torch.py).
@@ -27,7 +27,7 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
     import torch
     import torch.distributed as dist
 
-    from pipeline.executor import StepMeter
+    from pipeline.runtime.executor import StepMeter
 
     torch.set_num_threads(1)
     use_model(model)

@@ -10,7 +10,7 @@ For every schedule of ``schedules.schedule_names()`` x 3 models (an MLP, a small
 GPT, a CNN) x M in {4, 8, 16}, one Pipe per cell on 2 gloo ranks (one thread per
 rank, ``checkpoint="except_last"``):
 
-- ``before``: ``pipeline.predict.predict_step`` before the Pipe's first step: chunk
+- ``before``: ``pipeline.predict.step.predict_step`` before the Pipe's first step: chunk
   costs measured by the probes, hops from the ping-pong at construction;
 - ``refined``: the same after the warm-up steps, refined from their measured
   timelines: hop latency from the delays waiting stages saw, each stage's compute
@@ -93,8 +93,8 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
     import torch.distributed as dist
 
     from pipeline import Pipe
-    from pipeline.microbatch import split_batch
-    from pipeline.predict import predict_step
+    from pipeline.compute.microbatch import split_batch
+    from pipeline.predict.step import predict_step
 
     results = []
     for model_name, schedule, microbatches in cells:

@@ -22,7 +22,7 @@ gradients disagree with one process's.
 
 With ``--model tiny|mlp`` it instead compares one model at M=8 (``--schedules``), each
 side in fresh processes, launches alternating, and prints our step's breakdown per rank
-(``pipeline.executor.StepMeter``); ``--trace out.json`` writes our last step's timeline.
+(``pipeline.runtime.executor.StepMeter``); ``--trace out.json`` writes our last step's timeline.
 Experiment knobs for our gloo transport, read in each rank: ``BENCH_YIELD=0|1``
 (``os.sched_yield`` after each send), ``BENCH_LOOKAHEAD=n`` (receives posted ahead, at
 least) and ``BENCH_AHEAD_BYTES=n`` (more while their buffers fit in n bytes; 0: no more).

@@ -44,7 +44,7 @@ def compare_schedules(stages: int = 4, microbatches: int = 8) -> None:
 
 def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int = 8,
                         steps: int = 5) -> list[tuple[str, Any, Any]] | None:
-    """On each of ``world`` gloo ranks (``pipeline.launch.run_ranks``): per schedule, the
+    """On each of ``world`` gloo ranks (``pipeline.group.launch.run_ranks``): per schedule, the
     step predicted before any step ran, and the median-makespan measured step after one
     warm-up. Rank 0 returns ``[(schedule, predicted, measured)]``, the others None."""
     import torch
@@ -77,7 +77,7 @@ def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int
 
 
 def predicted_bubble(schedule: str = "1f1b") -> None:
-    from pipeline.launch import run_ranks
+    from pipeline.group.launch import run_ranks
 
     predicted, measured = run_ranks(predict_and_measure, 2, [schedule])[0][0][1:]
     error = (predicted.bubble_fraction - measured.bubble_fraction) / measured.bubble_fraction

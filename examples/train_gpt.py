@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gpt import gpt, lm_loss  # examples/gpt.py, beside this script
 from pipeline import Pipe, gather_state_dict
-from pipeline.collectives import broadcast_object, gather_objects
+from pipeline.group.collectives import broadcast_object, gather_objects
 
 MODULES = ("argparse.py", "textwrap.py", "functools.py", "heapq.py", "string.py",
            "difflib.py", "fractions.py", "statistics.py", "dataclasses.py", "enum.py")

@@ -172,7 +172,7 @@ def plan(
         checkpoints: recomputation modes to search.
         optimizer_factor: optimizer-state bytes per parameter byte (2 for Adam).
         action_overhead: the runtime's own seconds per action (F, B, I or W), beside
-            the compute (``pipeline.calibration.action_overhead`` measures it); it
+            the compute (``pipeline.predict.overheads.action_overhead`` measures it); it
             makes more micro-batches and more chunks cost what they do.
         prune: skip candidates whose makespan bound exceeds the best found; False
             simulates every candidate (same pick, all of them in ``candidates``).

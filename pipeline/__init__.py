@@ -1,12 +1,10 @@
 """Run pipeline schedules on real tensors: threads in one process, or one stage per rank."""
 
-from pipeline.transports.base import PeerError
-from pipeline.process_groups import make_groups
-from pipeline.memory import MemoryReport
+from pipeline.compute.activations import MemoryReport
+from pipeline.errors import PeerError, PipelineAborted, StageError
+from pipeline.group.process_groups import make_groups
 from pipeline.pipe import Pipe
-from pipeline.stage import StageError
-from pipeline.state import gather_state_dict, save_state_dict
-from pipeline.transports.base import PipelineAborted
+from pipeline.saving import gather_state_dict, save_state_dict
 
 __all__ = [
     "MemoryReport",

@@ -12,14 +12,14 @@ from torch import nn
 
 from schedules import Schedule, Timeline
 
-from pipeline.balancing import resolve_balance
-from pipeline.checkpoint import CheckpointMode, check_mode
-from pipeline.coordination import choose_plan, on_rank_zero, share_overflow
-from pipeline.loss import loss_rule
-from pipeline.memory import MemoryReport
-from pipeline.microbatch import merge, split, split_batch
+from pipeline.setup.balancing import resolve_balance
+from pipeline.compute.recompute import CheckpointMode, check_mode
+from pipeline.setup.coordination import choose_plan, on_rank_zero, share_overflow
+from pipeline.compute.loss import loss_rule
+from pipeline.compute.activations import MemoryReport
+from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.model_like import ModelLike
-from pipeline.options import (
+from pipeline.setup.options import (
     build_schedule,
     check_model,
     check_positive,
@@ -27,10 +27,10 @@ from pipeline.options import (
     count_stages,
     resolve_devices,
 )
-from pipeline.runner import PendingTimeline, Runner
-from pipeline.shared import tied_keys
-from pipeline.stage import ChunkOptions
-from pipeline.transports.base import PeerError
+from pipeline.runtime.runner import PendingTimeline, Runner
+from pipeline.compute.shared import tied_keys
+from pipeline.compute.chunk import ChunkOptions
+from pipeline.errors import PeerError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,7 +61,7 @@ class Pipe(ModelLike):
             recomputation; ``"auto"`` (the default when planning) lets the plan choose.
         loss_fn: ``loss_fn(output, target)`` per micro-batch; needed by ``step``. The
             micro-batch losses add up to exactly the whole batch's loss (see
-            ``pipeline.loss``): torch's loss modules are normalised by the batch's count
+            ``pipeline.compute.loss``): torch's loss modules are normalised by the batch's count
             (rows, elements, or the weighted non-ignored targets of a cross-entropy);
             another callable's results are weighted by their share of the rows, unless
             ``loss_count`` is given.
@@ -80,7 +80,7 @@ class Pipe(ModelLike):
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
         sample_target: the target of ``sample``: with ``"auto"``, the loss's time and the
             memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
-        group: a process group for one stage per rank (see ``pipeline.distributed``).
+        group: a process group for one stage per rank (see ``pipeline.runtime.dist_runner``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
@@ -116,7 +116,7 @@ class Pipe(ModelLike):
         sample_target: Any = None,
     ) -> None:
         if group is not None:  # first, before anything that could raise on some ranks only
-            from pipeline.process_groups import check_ranks_agree
+            from pipeline.group.process_groups import check_ranks_agree
 
             check_ranks_agree(group, timeout, chunks=chunks, schedule=schedule, balance=balance,
                               checkpoint=checkpoint, stages=stages,
@@ -172,14 +172,14 @@ class Pipe(ModelLike):
         self._pending = None
         runner: Runner
         if self._group is None:
-            from pipeline.local import LocalRunner
+            from pipeline.runtime.local_runner import LocalRunner
 
             runner = LocalRunner(
                 self.model, self._balance, self._schedule, self._devices, self._options,
                 self.timeout,
             )
         else:
-            from pipeline.distributed import DistRunner
+            from pipeline.runtime.dist_runner import DistRunner
 
             runner = DistRunner(
                 self.model, self._balance, self._schedule, self._devices[0], self._options,
@@ -334,7 +334,7 @@ class Pipe(ModelLike):
         holds). After steps the prediction is refined from the measured timelines of
         the last few (up to ``RECENT_STEPS``): the hop latency from the delays their
         waiting stages saw, each stage's compute from its median busy time.
-        ``pipeline.predict.predict_step``
+        ``pipeline.predict.step.predict_step``
         returns the costs beside the Timeline.
 
         Args:
@@ -349,7 +349,7 @@ class Pipe(ModelLike):
             ValueError: no loss_fn, or a batch ``step`` would reject.
             PeerError: a rank failed or did not answer within the timeout.
         """
-        from pipeline.predict import predict_step
+        from pipeline.predict.step import predict_step
 
         if self.loss_fn is None:
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")

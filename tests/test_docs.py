@@ -67,3 +67,22 @@ def test_the_readme_quickstart_runs_and_its_images_exist() -> None:
     assert 0.0 <= namespace["pipe"].timeline.bubble_fraction < 1.0
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", readme):
         assert (ROOT / image).is_file(), image
+
+
+def test_the_architecture_names_every_module() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = []
+    for package in ("schedules", "partitioners", "pipeline"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            inside = path.relative_to(ROOT / package).as_posix()
+            if "/" in inside:  # named in its room's lines of the map
+                named = re.search(rf"^ ?{re.escape(path.parent.name)}/(?:[^\n]|\n(?=\s))*?"
+                                  rf"{re.escape(path.name)}", page, re.M)
+            else:  # by its path, or by its bare name
+                named = re.search(rf"{package}/{re.escape(path.name)}|(?<![\w/]){re.escape(path.name)}",
+                                  page)
+            if named is None:
+                missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == [], f"docs/architecture.md does not name: {missing}"

@@ -1,7 +1,12 @@
 """The import graph: no cycle between modules, and packages point one way.
 
 ``schedules`` <- ``partitioners`` <- ``pipeline``: schedules imports neither of the
-others, partitioners never imports pipeline. Every ``from``-import of the three
+others, partitioners never imports pipeline. Inside ``pipeline`` the rooms point one
+way too, from the façade (``Pipe``) down through what is decided once at build
+(``setup``), what predicts a step (``predict``), what runs every step (``runtime``),
+to the process group, the transports, one chunk's compute, the payloads and the
+errors: the runtime never imports prediction, and nothing below the façade
+imports it. Every ``from``-import of the three
 packages counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included: a
 cycle broken by a late import is still a cycle to read.
 """
@@ -49,3 +54,26 @@ def test_packages_point_one_way() -> None:
     wrong = [(source, target) for source, target in import_graph().edges
              if RANK[target.split(".")[0]] > RANK[source.split(".")[0]]]
     assert wrong == []
+
+
+ROOMS = ("setup", "predict", "runtime", "group", "transports", "compute", "payloads", "errors")
+FACADE = len(ROOMS)  # pipeline/__init__.py, pipe.py, model_like.py, saving.py
+
+
+def _room(module: str) -> int:
+    parts = module.split(".")
+    return len(ROOMS) - 1 - ROOMS.index(parts[1]) if len(parts) > 1 and parts[1] in ROOMS else FACADE
+
+
+def test_pipeline_rooms_point_down() -> None:
+    wrong = [(source, target) for source, target in import_graph().edges
+             if source.startswith("pipeline") and target.startswith("pipeline.")
+             and _room(target) > _room(source)]
+    assert wrong == []
+
+
+def test_every_pipeline_module_has_a_room() -> None:
+    loose = sorted(module for module in import_graph()
+                   if module.startswith("pipeline.") and _room(module) == FACADE)
+    assert loose == ["pipeline.model_like", "pipeline.pipe", "pipeline.saving"]
+

@@ -8,7 +8,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from pipeline.transports.base import PeerError, PipelineAborted, Transport
+from pipeline.transports.base import Transport
+
+from pipeline.errors import PeerError, PipelineAborted
 
 TransportName = Literal["auto", "gloo", "ordered"]
 TRANSPORTS: tuple[str, ...] = ("auto", "gloo", "ordered")
@@ -39,7 +41,7 @@ def make_transport(
     if name == "auto":
         name = "ordered" if backend == "nccl" else "gloo"
     if name == "ordered":
-        from pipeline.transports.nccl import OrderedTransport
+        from pipeline.transports.ordered import OrderedTransport
 
         return OrderedTransport(group, stage_ranks, stage, device, channels, timeout,
                                 rendezvous=backend != "nccl")

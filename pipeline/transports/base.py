@@ -19,23 +19,7 @@ from typing import Any, Protocol
 from schedules import CommPlan, Group
 from schedules.dependencies import ActionKey
 
-Payload = Any  # any pytree of tensors (see pipeline.payload)
-
-
-class PeerError(RuntimeError):
-    """A peer rank failed, died, sent a corrupt message or did not answer in time.
-
-    ``rank`` names the rank at fault where one is known; None where none is (a collective
-    some rank did not join, a group an earlier step broke).
-    """
-
-    def __init__(self, message: str, rank: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-class PipelineAborted(RuntimeError):
-    """Raised in a stage that was waiting when another stage (of this process) failed."""
+Payload = Any  # any pytree of tensors (see pipeline.payloads.tree)
 
 
 class Transport(Protocol):

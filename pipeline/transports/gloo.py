@@ -56,8 +56,9 @@ import torch.distributed as dist
 from schedules import CommPlan, Op
 from schedules.dependencies import ActionKey
 
-from pipeline.payload import from_wire, to_wire
-from pipeline.transports.base import KeyedTransport, PeerError
+from pipeline.payloads.tree import from_wire, to_wire
+from pipeline.transports.base import KeyedTransport
+from pipeline.errors import PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
     CALL_SLOT,

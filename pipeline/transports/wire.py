@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.payloads.tree import STRUCTURED, TENSOR, TUPLE
+
 MAX_TENSORS = 16
 MAX_DIMS = 8
 MAX_MESSAGE_BYTES = 16 << 30  # what a header may announce, at most (16 GiB)
@@ -31,7 +33,6 @@ HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, kind, count; 
 HEADER_BYTES = HEADER_SLOTS * 8
 ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
 OK, FAILED, NEXT = 0, 1, 2  # a message's status
-TENSOR, TUPLE, STRUCTURED = 0, 1, 2  # a payload's kind
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,

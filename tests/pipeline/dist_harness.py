@@ -1,5 +1,5 @@
-"""Real gloo process groups on localhost for the distributed tests (see pipeline.launch)."""
+"""Real gloo process groups on localhost for the distributed tests (see pipeline.group.launch)."""
 
-from pipeline.launch import free_port, run_ranks, run_ranks_raw
+from pipeline.group.launch import free_port, run_ranks, run_ranks_raw
 
 __all__ = ["free_port", "run_ranks", "run_ranks_raw"]

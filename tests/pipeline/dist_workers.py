@@ -342,7 +342,7 @@ def naive_plan_under_nccl_rules(rank: int, world: int) -> Any:
     """The posting order the runtime used before comm plans: it must hang under NCCL's rules
     (and the timeout must turn the hang into a PeerError on every rank)."""
     from pipeline import PeerError, Pipe
-    from pipeline.runner import Plans
+    from pipeline.runtime.runner import Plans
 
     x, y = batch()
     pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),

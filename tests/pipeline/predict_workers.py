@@ -102,8 +102,8 @@ def predict_missing_target(rank: int, world: int) -> str:
 def predict_contention(rank: int, world: int) -> dict[str, Any]:
     """predict_step's contention factors, and the rank's own loop timed alone and at once."""
     from pipeline import Pipe
-    from pipeline.microbatch import split_batch
-    from pipeline.predict import predict_step
+    from pipeline.compute.microbatch import split_batch
+    from pipeline.predict.step import predict_step
 
     torch.set_num_threads(1)
     pipe = Pipe(bn_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.CrossEntropyLoss(),
@@ -118,7 +118,7 @@ def predict_contention(rank: int, world: int) -> dict[str, Any]:
 
 def calibrated_links(rank: int, world: int) -> dict[str, Any]:
     """The hop model ``calibrate_group`` gives every rank of a 1F1B pipeline."""
-    from pipeline.calibration import calibrate_group
+    from pipeline.group.links import calibrate_group
     from schedules import get_schedule
 
     hops = calibrate_group(dist.group.WORLD, get_schedule("1f1b", world, world),

@@ -1,10 +1,10 @@
-"""pipeline.contention: stages slowed by computing at once, and the step that follows."""
+"""pipeline.predict.contention: stages slowed by computing at once, and the step that follows."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.contention import contended, others_computing
+from pipeline.predict.contention import contended, others_computing
 from schedules import Action, Costs, Event, Op, Timeline, get_schedule, simulate
 from tests.pipeline.dist_harness import run_ranks
 from tests.pipeline.predict_workers import predict_contention

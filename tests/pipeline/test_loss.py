@@ -1,4 +1,4 @@
-"""Micro-batch losses add up to exactly the whole batch's loss (pipeline.loss): one process, two ranks."""
+"""Micro-batch losses add up to exactly the whole batch's loss (pipeline.compute.loss): one process, two ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.loss import loss_rule
+from pipeline.compute.loss import loss_rule
 
 TOLERANCE = 1e-10
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

@@ -12,7 +12,7 @@ from torch import nn
 
 from models import batch, build
 from pipeline import Pipe
-from pipeline.microbatch import split
+from pipeline.compute.microbatch import split
 from schedules import simulate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.microbatch import batch_size, merge, split
+from pipeline.compute.microbatch import batch_size, merge, split
 
 
 def test_split_follows_tensor_split_with_the_remainder_first() -> None:

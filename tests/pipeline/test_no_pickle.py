@@ -1,4 +1,4 @@
-"""Nothing a peer sends is unpickled (pipeline.collectives): no pickle loader anywhere under
+"""Nothing a peer sends is unpickled (pipeline.group.collectives): no pickle loader anywhere under
 pipeline/, shared values round-trip exactly, hostile bytes raise a clear error, and a value
 that may not cross is refused at its sender on every rank."""
 
@@ -23,11 +23,11 @@ from dist_harness import run_ranks
 from partitioners import LayerCost
 from partitioners.plan import Candidate, Plan, plan
 from partitioners.plan_costs import linear_costs
-from pipeline.collectives import broadcast_object, gather_objects
-from pipeline.values import DTYPES, MAX_JSON_BYTES, crosses, decode, encode
-from pipeline.fixed_bytes import FixedBytes
-from pipeline.probe import ChunkCosts
-from pipeline.structure import MAX_DEPTH, StructureError
+from pipeline.group.collectives import broadcast_object, gather_objects
+from pipeline.payloads.values import DTYPES, MAX_JSON_BYTES, crosses, decode, encode
+from pipeline.predict.fixed_bytes import FixedBytes
+from pipeline.predict.probe import ChunkCosts
+from pipeline.payloads.structure import MAX_DEPTH, StructureError
 from pipeline.transports.groups import pipeline_groups
 from schedules import Action, Op, get_schedule
 

@@ -1,4 +1,4 @@
-"""Payloads cross ranks without pickle (pipeline.payload): what may travel, exactly, and what a
+"""Payloads cross ranks without pickle (pipeline.payloads.tree): what may travel, exactly, and what a
 peer's bytes can make a rank do (raise a StructureError, nothing else)."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch.utils import _pytree as pytree
 
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.payload import STRUCTURED, from_wire, to_wire
-from pipeline.structure import MAX_DEPTH, MAX_STRUCTURE_BYTES, StructureError, decode_structure
+from pipeline.payloads.tree import STRUCTURED, from_wire, to_wire
+from pipeline.payloads.structure import MAX_DEPTH, MAX_STRUCTURE_BYTES, StructureError, decode_structure
 
 TOLERANCE = 1e-10
 SCHEDULES = ("1f1b", "zb-h1")

@@ -10,10 +10,12 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
-from pipeline.calibration import HopModel, action_overhead, calibrate_local, fit_link, hop_pairs
-from pipeline.microbatch import split_batch
-from pipeline.fixed_bytes import optimizer_state_bytes
-from pipeline.predict import predict_step
+from pipeline.group.hops import HopModel
+from pipeline.group.links import calibrate_local, fit_link, hop_pairs
+from pipeline.predict.overheads import action_overhead
+from pipeline.compute.microbatch import split_batch
+from pipeline.predict.fixed_bytes import optimizer_state_bytes
+from pipeline.predict.step import predict_step
 from schedules import Link, get_schedule
 
 from tests.pipeline.dist_harness import run_ranks
@@ -223,10 +225,11 @@ def test_after_several_steps_each_stage_computes_its_median_measured_busy_time()
 
 
 def test_a_send_costs_the_sending_action_not_the_hop() -> None:
-    from pipeline.calibration import HopModel, refined
-    from pipeline.fixed_bytes import FixedBytes
-    from pipeline.predict import build_costs
-    from pipeline.probe import ChunkCosts
+    from pipeline.group.hops import HopModel
+    from pipeline.predict.overheads import refined
+    from pipeline.predict.fixed_bytes import FixedBytes
+    from pipeline.predict.step import build_costs
+    from pipeline.predict.probe import ChunkCosts
 
     schedule = get_schedule("1f1b", 2, 4)
     chunks = {c: ChunkCosts(chunk=c, forward=1.0, backward=2.0, input_grad=0.0, weight_grad=0.0,

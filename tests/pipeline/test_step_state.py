@@ -18,7 +18,7 @@ from torch import nn
 import step_state_workers as workers
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.step_state import NOTE
+from pipeline.runtime.step_state import NOTE
 
 TOLERANCE = 1e-10
 SCHEDULES = ("1f1b", "zb-h1", "gpipe")

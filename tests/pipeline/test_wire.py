@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.payload import from_wire, to_wire
+from pipeline.payloads.tree import from_wire, to_wire
 from pipeline.transports.wire import (
     HEADER_BYTES,
     HEADER_SLOTS,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeline.batchnorm import running_norms
+from pipeline.compute.batchnorm import running_norms
 
 NOTE = ("pipesched: the step's partial gradients were dropped; .grad and running statistics "
         "are as they were before the step")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from schedules import Schedule
 
-from pipeline.collectives import barrier, gather_objects
+from pipeline.group.collectives import barrier, gather_objects
 
 
 def rank_device(group: dist.ProcessGroup) -> torch.device:

@@ -16,39 +16,54 @@ import types
 from collections.abc import Mapping
 from enum import Enum
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from pipeline.structure import MAX_DEPTH, MAX_INT_BITS, StructureError, expect, load_document, \
+from pipeline.payloads.structure import MAX_DEPTH, MAX_INT_BITS, StructureError, expect, load_document, \
     short, type_name
 
 FORMAT = 1  # the shared values' format version, the first field of every message
 MAX_JSON_BYTES = 1 << 28  # a message's JSON text, at most
 MAX_MESSAGE_BYTES = 1 << 34  # a whole message (JSON and tensor bytes), at most
+T = TypeVar("T")
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128,
     torch.complex64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-@cache
+_REGISTERED: dict[str, type] = {}
+
+
+def crossing(cls: type[T]) -> type[T]:
+    """Let a frozen dataclass of the runtime's upper rooms (a probe's measurements, say) cross
+    in shared values; the decorator sits on the class, so a receiver that can expect one has
+    imported it."""
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        raise TypeError(f"only a frozen dataclass may cross ranks; got {cls.__qualname__}")
+    _REGISTERED[cls.__name__] = cls
+    return cls
+
+
 def crosses() -> Mapping[str, type]:
     """The library's own classes that may cross in a shared value, by the name they cross under:
     frozen dataclasses (rebuilt by their constructors, which check them), enums (by value) and
-    ``Action`` (by the text it prints, which parses back).
-
-    Imported here, when first needed: the runtime, which imports this module for its
-    collectives, never needs the planner's or the probes' classes.
+    ``Action`` (by the text it prints, which parses back); the lower packages' here, the
+    runtime's own where they are defined (``crossing``).
     """
+    return types.MappingProxyType({**_lower_packages(), **_REGISTERED})
+
+
+@cache
+def _lower_packages() -> Mapping[str, type]:
+    # Imported when first needed: the runtime, which imports this module for its
+    # collectives, never needs the planner's classes.
     from partitioners.plan import Candidate, Plan
-    from pipeline.fixed_bytes import FixedBytes
-    from pipeline.probe import ChunkCosts
     from schedules.action import Action, Op, Schedule
     from schedules.timeline import Event, MemoryTrace, Timeline
 
-    return types.MappingProxyType({cls.__name__: cls for cls in (
-        Action, Op, Schedule, Event, MemoryTrace, Timeline, Candidate, Plan, ChunkCosts,
-        FixedBytes)})
+    return {cls.__name__: cls for cls in (
+        Action, Op, Schedule, Event, MemoryTrace, Timeline, Candidate, Plan)}
 
 
 # A shared value's bytes: JSON of plain data, then the tensors' bytes.

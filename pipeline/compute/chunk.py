@@ -1,6 +1,6 @@
 """One model chunk on its device: forward, backward (full or split into I and W), recompute.
 
-A chunk receives any pytree of tensors (see ``pipeline.payload``) and keeps,
+A chunk receives any pytree of tensors (see ``pipeline.payloads.tree``) and keeps,
 per micro-batch, what its backward needs. Three things keep it exact on real
 models:
 
@@ -10,9 +10,9 @@ models:
   Whether a chunk does so is found on the first micro-batch of each step, from
   the copy's version counter;
 - every layer that draws random numbers does so under a seed of its own per
-  micro-batch (``pipeline.checkpoint``), the same in the recomputation;
+  micro-batch (``pipeline.compute.recompute``), the same in the recomputation;
 - a recomputation leaves BatchNorm's running statistics as they were
-  (``pipeline.batchnorm``), or none of the forwards touch them when the
+  (``pipeline.compute.batchnorm``), or none of the forwards touch them when the
   statistics are deferred to the end of the step.
 """
 
@@ -28,18 +28,15 @@ import torch
 from torch import nn
 
 from partitioners.split_backward import WeightGradients, backward_input
-from pipeline.batchnorm import DeferredStatistics, frozen_statistics, running_norms
-from pipeline.checkpoint import CheckpointMode, layer_seed, recomputes, seeded
-from pipeline.forward_state import Snapshot, WrittenBuffers
-from pipeline.loss import LossFunctionError, call_loss, check_loss_value
-from pipeline.memory import ActivationTracker
-from pipeline.payload import Flat, detach, differentiable, flatten
+from pipeline.errors import StageError
+from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
+from pipeline.compute.recompute import CheckpointMode, layer_seed, recomputes, seeded
+from pipeline.compute.forward_state import Snapshot, WrittenBuffers
+from pipeline.compute.loss import LossFunctionError, call_loss, check_loss_value
+from pipeline.compute.activations import ActivationTracker
+from pipeline.payloads.tree import Flat, detach, differentiable, flatten
 
 Grads = tuple[torch.Tensor | None, ...]
-
-
-class StageError(RuntimeError):
-    """An exception raised inside a stage, with the stage, layer and micro-batch that raised it."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The hop model: per pair of stages, what moving a result between them costs.
 
-``pipeline.calibration`` measures it (a ping-pong across ranks, or between stage
-threads), ``pipeline.predict`` charges it, and every runner keeps the one its
+``pipeline.group.links`` measures it (a ping-pong across ranks, or between stage
+threads), ``pipeline.predict.step`` charges it, and every runner keeps the one its
 construction measured (``Runner.hops``).
 """
 

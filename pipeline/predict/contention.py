@@ -1,6 +1,6 @@
 """How much slower stages compute when they compute at the same time, and what that does to a step.
 
-A chunk is probed alone (``pipeline.probe``), but in a step the stages run at
+A chunk is probed alone (``pipeline.predict.probe``), but in a step the stages run at
 once. On one GPU per rank that changes nothing; where ranks share cores (CPU
 ranks on one host, or another job's load), every stage computes slower while
 others compute too, and a prediction built from solo timings comes out short.
@@ -31,8 +31,8 @@ import torch
 from partitioners.timing import synchronize
 from schedules import Costs, Schedule, Timeline, simulate
 
-from pipeline.probe import ones_like_outputs, probe_runner, untouched
-from pipeline.stage import ChunkRunner
+from pipeline.predict.probe import ones_like_outputs, probe_runner, untouched
+from pipeline.compute.chunk import ChunkRunner
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -82,7 +82,7 @@ def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: Pro
     rank of the group must call it."""
     import torch.distributed as dist
 
-    from pipeline.collectives import all_reduce, barrier
+    from pipeline.group.collectives import all_reduce, barrier
 
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     failure: str | None = None

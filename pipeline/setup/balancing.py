@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.options import check_balance, uniform_balance
+from pipeline.setup.options import check_balance, uniform_balance
 
 
 def resolve_balance(

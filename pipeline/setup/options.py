@@ -152,7 +152,7 @@ def resolve_devices(devices: Sequence[Any] | None, stages: int, group: ProcessGr
     if group is not None:
         if devices is not None:
             raise ValueError("with group=..., each rank picks its own device; pass devices=None")
-        from pipeline.process_groups import rank_device
+        from pipeline.group.process_groups import rank_device
 
         return [rank_device(group)]
     if devices is None:

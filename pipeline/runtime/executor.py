@@ -13,7 +13,7 @@ import torch
 from schedules import Action, CommPlan, Event, Group, Op, Schedule
 from schedules.dependencies import ActionKey
 
-from pipeline.stage import ChunkRunner
+from pipeline.compute.chunk import ChunkRunner
 from pipeline.transports.base import Payload, Transport
 
 

@@ -6,7 +6,7 @@ collective asynchronously and waits at most ``timeout`` seconds, then names the
 collective and the group's size in the error.
 
 The values ranks share (settings, a plan, measured costs) cross as
-``pipeline.values`` encodes them, never pickled: a value that may not cross is
+``pipeline.payloads.values`` encodes them, never pickled: a value that may not cross is
 refused at its sender, and every rank raises.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.structure import StructureError, short
-from pipeline.transports.base import PeerError
-from pipeline.values import MAX_MESSAGE_BYTES, decode, encode
+from pipeline.payloads.structure import StructureError, short
+from pipeline.errors import PeerError
+from pipeline.payloads.values import MAX_MESSAGE_BYTES, decode, encode
 _REFUSALS = {1: TypeError, 2: ValueError}  # a rank's status in the size gather, when not 0
 
 

@@ -1,10 +1,10 @@
 """Predict a Pipe's training step before running it: measured chunk costs, simulated schedule.
 
-Every chunk is measured where and how it will run (``pipeline.probe``: its own
+Every chunk is measured where and how it will run (``pipeline.predict.probe``: its own
 layers as a unit, on its device, at the step's largest micro-batch, in the
 step's checkpoint mode, split into I and W when the schedule splits); each
 hop costs what the calibration at construction measured
-(``pipeline.calibration``: latency + bytes / bandwidth, bytes from the
+(``pipeline.group.links``: latency + bytes / bandwidth, bytes from the
 boundary's real payload); each action also pays the executor's own per-action
 cost (measured on an almost empty action). Across ranks every rank measures its
 own chunks and the costs are gathered, so every rank simulates the same
@@ -27,15 +27,15 @@ import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
-from pipeline.calibration import action_overhead, measured_hop_delay, refined
-from pipeline.contention import ChunkWork, contended, factor_across_ranks, slowed
-from pipeline.fixed_bytes import FixedBytes, fixed_bytes
-from pipeline.hops import HopModel
-from pipeline.microbatch import batch_size, to_device
-from pipeline.payload import from_wire, map_tensors, to_wire
-from pipeline.probe import ChunkCosts, probe_chunk
-from pipeline.runner import Runner
-from pipeline.stage import ChunkRunner
+from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
+from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
+from pipeline.predict.fixed_bytes import FixedBytes, fixed_bytes
+from pipeline.group.hops import HopModel
+from pipeline.compute.microbatch import batch_size, to_device
+from pipeline.payloads.tree import from_wire, map_tensors, to_wire
+from pipeline.predict.probe import ChunkCosts, probe_chunk
+from pipeline.runtime.runner import Runner
+from pipeline.compute.chunk import ChunkRunner
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -53,7 +53,7 @@ class Prediction:
         overhead: per stage, the executor's seconds per action, added to each action.
         hops: the calibrated hop model.
         contention: per stage, how much slower its chunks computed with every stage
-            computing at once than alone (``pipeline.contention``); 1.0 where stages
+            computing at once than alone (``pipeline.predict.contention``); 1.0 where stages
             do not share cores.
     """
 
@@ -214,7 +214,7 @@ def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: ProcessGro
     if group is None:
         assert rows is not None
         return rows
-    from pipeline.collectives import gather_objects
+    from pipeline.group.collectives import gather_objects
 
     everyone = gather_objects(rows, group, timeout, "sharing the micro-batch sizes", device)
     found: list[list[int]] = [r for r in everyone if r is not None]
@@ -270,7 +270,7 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
 def _contention(runner: Runner, work: dict[int, ChunkWork], failure: str | None,
                 group: ProcessGroup | None, timeout: float, device: torch.device
                 ) -> tuple[tuple[float, ...], str | None]:
-    """The contention factors of this process's stages (``pipeline.contention``) and the
+    """The contention factors of this process's stages (``pipeline.predict.contention``) and the
     failure so far. With a group every rank takes part, failed or not; under NCCL (a GPU
     per rank, nothing to share) none is measured."""
     import torch.distributed as dist
@@ -295,7 +295,7 @@ def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: 
              timeout: float, device: torch.device) -> tuple[Any, str | None]:
     """The producing rank's output (on the CPU) and any failure so far, on every rank. The
     output crosses as the runtime's payloads do (``to_wire``)."""
-    from pipeline.collectives import gather_objects
+    from pipeline.group.collectives import gather_objects
 
     wired = None
     if mine and failure is None:
@@ -321,7 +321,7 @@ def _gather(mine: tuple[Any, ...], group: ProcessGroup, timeout: float, device: 
     contention factors) on every rank: the chunks' costs, the overheads by stage, the fixed
     bytes, the first hop delay and busy times measured, the contention factors by stage; a
     failure raises on all of them."""
-    from pipeline.collectives import gather_objects
+    from pipeline.group.collectives import gather_objects
 
     everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
                               "predict()", device)

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import CHECKPOINT_MODES, check_mode
-from pipeline.collectives import all_reduce, broadcast_object
-from pipeline.options import check_positive
+from pipeline.compute.recompute import CHECKPOINT_MODES, check_mode
+from pipeline.group.collectives import all_reduce, broadcast_object
+from pipeline.setup.options import check_positive
 
 if TYPE_CHECKING:
     from schedules import Link
@@ -30,7 +30,7 @@ def on_rank_zero(work: Callable[[], T], group: dist.ProcessGroup | None, timeout
     """
     if group is None:
         return work()
-    from pipeline.process_groups import rank_device
+    from pipeline.group.process_groups import rank_device
 
     decided: tuple[T | None, str | None] = (None, None)
     error: BaseException | None = None
@@ -67,7 +67,7 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
     hop = _calibrated_hop(stages, devices, group, timeout)  # every rank takes part
 
     def make() -> Any:
-        from pipeline.calibration import action_overhead
+        from pipeline.predict.overheads import action_overhead
 
         if sample is None:
             raise ValueError(
@@ -94,7 +94,7 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], group: dist.Pr
     """The hop between the first two stages, calibrated as ``Pipe.predict``'s is (a ping-pong
     across ranks, or between two stage threads), taken for every pair: a ``schedules.Link``,
     or None with one stage."""
-    from pipeline.calibration import calibrate_group, calibrate_local
+    from pipeline.group.links import calibrate_group, calibrate_local
     from schedules import get_schedule
 
     if stages < 2:
@@ -111,7 +111,7 @@ def share_overflow(parameters: Iterable[torch.nn.Parameter], group: dist.Process
                    timeout: float) -> None:
     """An inf or NaN gradient on one rank becomes one on every rank, so that a GradScaler
     skips the same step everywhere."""
-    from pipeline.process_groups import rank_device
+    from pipeline.group.process_groups import rank_device
 
     grads = [p.grad for p in parameters if p.grad is not None]
     found = any(not bool(torch.isfinite(g).all()) for g in grads)

@@ -17,7 +17,7 @@ from torch import nn
 
 from schedules import Schedule
 
-from pipeline.shared import SharedParameter, stages_using, unique
+from pipeline.compute.shared import SharedParameter, stages_using, unique
 
 
 def shared_across_stages(

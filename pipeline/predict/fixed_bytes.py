@@ -10,11 +10,13 @@ import torch
 
 from schedules import Schedule
 
-from pipeline.probe import ChunkCosts
-from pipeline.runner import Runner
-from pipeline.stage import ChunkRunner
+from pipeline.payloads.values import crossing
+from pipeline.predict.probe import ChunkCosts
+from pipeline.runtime.runner import Runner
+from pipeline.compute.chunk import ChunkRunner
 
 
+@crossing
 @dataclass(frozen=True)
 class FixedBytes:
     """What a stage holds throughout a step, beside activations.

@@ -23,14 +23,16 @@ from typing import Any
 
 import torch
 
-from pipeline.memory import ActivationTracker
-from pipeline.payload import differentiable, flatten
-from pipeline.stage import ChunkRunner
+from pipeline.payloads.values import crossing
+from pipeline.compute.activations import ActivationTracker
+from pipeline.payloads.tree import differentiable, flatten
+from pipeline.compute.chunk import ChunkRunner
 
 WARMUP = 2
 REPEAT = 5
 
 
+@crossing
 @dataclass(frozen=True)
 class ChunkCosts:
     """What one micro-batch costs on one chunk, as measured by ``probe_chunk``.

@@ -15,8 +15,9 @@ import torch
 from schedules import CommPlan
 from schedules.dependencies import ActionKey
 
-from pipeline.payload import flatten, map_tensors
-from pipeline.transports.base import KeyedTransport, PipelineAborted
+from pipeline.payloads.tree import flatten, map_tensors
+from pipeline.transports.base import KeyedTransport
+from pipeline.errors import PipelineAborted
 
 
 def move(payload: Any, device: torch.device) -> Any:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pipeline.microbatch import batch_size
+from pipeline.compute.microbatch import batch_size
 
 LossFn = Callable[..., Any]
 CountFn = Callable[[Any], Any]

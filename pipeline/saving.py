@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.collectives import all_gather, wait
+from pipeline.group.collectives import all_gather, wait
 
 
 def gather_state_dict(pipe: Any, dst: int = 0) -> dict[str, torch.Tensor] | None:

@@ -14,24 +14,24 @@ from torch import nn
 
 from schedules import Event, Schedule
 
-from pipeline.calibration import calibrate_local
-from pipeline.context import CallerState
-from pipeline.executor import StageResult, StepInputs, run_stage
-from pipeline.memory import ActivationTracker, MemoryReport
-from pipeline.microbatch import to_device
-from pipeline.slicing import build_chunks
-from pipeline.runner import (
+from pipeline.group.links import calibrate_local
+from pipeline.runtime.context import CallerState
+from pipeline.runtime.executor import StageResult, StepInputs, run_stage
+from pipeline.compute.activations import ActivationTracker, MemoryReport
+from pipeline.compute.microbatch import to_device
+from pipeline.compute.slicing import build_chunks
+from pipeline.runtime.runner import (
     Plans,
     PendingTimeline,
     measured_timeline,
     propagate_input_grads,
     step_of,
 )
-from pipeline.shared import chunk_layers, shared_parameters
-from pipeline.stage import ChunkOptions, ChunkRunner, ChunkSpec
-from pipeline.step_state import StepState
-from pipeline.transports.base import PipelineAborted
-from pipeline.transports.local import LocalTransport
+from pipeline.compute.shared import chunk_layers, shared_parameters
+from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
+from pipeline.runtime.step_state import StepState
+from pipeline.errors import PipelineAborted
+from pipeline.transports.threads import LocalTransport
 
 
 class LocalRunner:

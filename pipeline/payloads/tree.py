@@ -6,7 +6,7 @@ flat list of leaves: the floating-point and complex tensors are the ones that
 carry gradients (integer and bool tensors never do), and the structure travels
 beside them so that the next stage receives exactly what the previous one
 returned. Between ranks that structure is bytes from a peer: it travels as
-checked JSON, never pickle (``pipeline.structure``).
+checked JSON, never pickle (``pipeline.payloads.structure``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeline.structure import (
+from pipeline.payloads.structure import (
     MAX_STRUCTURE_BYTES,
     StructureError,
     decode_structure,
     encode_structure,
 )
-from pipeline.transports.wire import STRUCTURED, TENSOR, TUPLE
+
+TENSOR, TUPLE, STRUCTURED = 0, 1, 2  # a payload's kind on the wire
 
 
 def differentiable(value: Any) -> bool:

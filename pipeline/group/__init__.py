@@ -1,0 +1,1 @@
+"""The process group around a pipeline: devices, agreement, bounded collectives, local launch."""

@@ -1,0 +1,1 @@
+"""What crosses between stages and ranks: pytrees of tensors, their structure and shared values."""

@@ -1,0 +1,1 @@
+"""What a step will cost before it runs: probed chunks, calibrated hops, contention, simulated schedule."""
