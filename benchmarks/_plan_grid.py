@@ -23,7 +23,7 @@ from _plan_workloads import COUNTS, STAGES, TIMEOUT, Workload
 from partitioners import MemoryLimitError, Plan, Profile, plan, profile
 from pipeline.group.links import calibrate_group
 from pipeline.predict.overheads import action_overhead
-from pipeline.setup.coordination import on_rank_zero
+from pipeline.group.ranks import RankGroup
 from schedules import Link, get_schedule
 
 
@@ -98,7 +98,7 @@ def grid_plan(workload: Workload, hop: Link) -> Grid:
             return grid, float(error.smallest_limit)
         raise AssertionError("a plan fitted in one byte per stage")
 
-    found, leanest = on_rank_zero(make, dist.group.WORLD, TIMEOUT, "planning")
+    found, leanest = RankGroup(dist.group.WORLD, TIMEOUT).decide(make, "planning")
     return Grid(found, leanest)
 
 

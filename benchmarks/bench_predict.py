@@ -106,13 +106,13 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
         mine_y = target if placement[-1] == rank else None
         inputs, targets = split_batch(mine_x, mine_y, microbatches, in_process=False)
         speed_before = reference_seconds()
-        before = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
+        before = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks)
         warm = []
         for _ in range(warmup):
             pipe.zero_grad()
             pipe.step(mine_x, mine_y)
             warm.append(pipe.timeline)
-        after = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD,
+        after = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks,
                              measured=tuple(warm) if rank == 0 else None)
         timelines, memory, speed = [], [], []
         for _ in range(steps):

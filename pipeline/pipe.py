@@ -12,9 +12,11 @@ from torch import nn
 
 from schedules import Schedule, Timeline
 
+from pipeline.runtime.build import build_runner
 from pipeline.setup.balancing import resolve_balance
 from pipeline.compute.recompute import CheckpointMode, check_mode
-from pipeline.setup.coordination import choose_plan, on_rank_zero, share_overflow
+from pipeline.group.ranks import OneProcess, RankGroup, Ranks
+from pipeline.setup.coordination import choose_plan
 from pipeline.compute.loss import loss_rule
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.microbatch import merge, split, split_batch
@@ -115,12 +117,11 @@ class Pipe(ModelLike):
         memory_limit: float | None = None,
         sample_target: Any = None,
     ) -> None:
-        if group is not None:  # first, before anything that could raise on some ranks only
-            from pipeline.group.process_groups import check_ranks_agree
-
-            check_ranks_agree(group, timeout, chunks=chunks, schedule=schedule, balance=balance,
-                              checkpoint=checkpoint, stages=stages,
-                              schedule_options=schedule_options)
+        self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)
+        # First, before anything that could raise on some ranks only.
+        self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
+                                checkpoint=checkpoint, stages=stages,
+                                schedule_options=schedule_options)
         self.model = check_model(model)
         self.timeout = timeout
         self._closed = False
@@ -138,7 +139,7 @@ class Pipe(ModelLike):
         if planning:
             self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
                                      (sample, sample_target, loss_fn), self._devices,
-                                     memory_limit, group, timeout)
+                                     memory_limit, self._ranks)
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]
@@ -170,21 +171,9 @@ class Pipe(ModelLike):
         assert self._balance is not None
         self._recent.clear()
         self._pending = None
-        runner: Runner
-        if self._group is None:
-            from pipeline.runtime.local_runner import LocalRunner
-
-            runner = LocalRunner(
-                self.model, self._balance, self._schedule, self._devices, self._options,
-                self.timeout,
-            )
-        else:
-            from pipeline.runtime.dist_runner import DistRunner
-
-            runner = DistRunner(
-                self.model, self._balance, self._schedule, self._devices[0], self._options,
-                self.timeout, self._group, self._data_group, self._init_fn, self._transport,
-            )
+        runner = build_runner(self.model, self._balance, self._schedule, self._devices,
+                              self._options, self.timeout, self._group, self._data_group,
+                              self._init_fn, self._transport)
         self._runner = runner
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
@@ -201,10 +190,10 @@ class Pipe(ModelLike):
             except ValueError as error:
                 raise ValueError(f"{error} ({self._stage_source})") from None
 
-        if self._group is None or not isinstance(self._balance_request, str):
+        if not isinstance(self._balance_request, str):
             return resolve()
         # Measured balances differ from rank to rank: the first rank's is everyone's.
-        return on_rank_zero(resolve, self._group, self.timeout, "balance")
+        return self._ranks.decide(resolve, "balance")
 
     def _ensure_runner(self, sample: Any) -> Runner:
         """The runner, built first where a 'time' balance waited for a batch."""
@@ -219,6 +208,11 @@ class Pipe(ModelLike):
         return self._runner
 
     # -- what users read ------------------------------------------------------------------
+
+    @property
+    def ranks(self) -> Ranks:
+        """The processes this Pipe runs on (``pipeline.group.ranks``): one, or a group's."""
+        return self._ranks
 
     @property
     def schedule(self) -> Schedule:
@@ -303,7 +297,7 @@ class Pipe(ModelLike):
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
-        inputs, targets = split_batch(x, target, self.chunks, self._group is None)
+        inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
         runner = self._ensure_runner(x)
         self._settle_timeline()
         assert self._loss_rule is not None
@@ -315,8 +309,8 @@ class Pipe(ModelLike):
         if weights is not None and scale != 1.0:
             weights = [w * scale for w in weights]
         loss, self._pending = runner.run_step(inputs, targets, weights)
-        if scale != 1.0 and self._group is not None:
-            share_overflow(self.parameters(), self._group, self.timeout)
+        if scale != 1.0:
+            self._ranks.share_overflow(self.parameters())
         return loss / scale if scale != 1.0 else loss
 
     def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
@@ -353,11 +347,11 @@ class Pipe(ModelLike):
 
         if self.loss_fn is None:
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
-        inputs, targets = split_batch(x, target, self.chunks, self._group is None, "predict")
+        inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1, "predict")
         runner = self._ensure_runner(x)
         self._settle_timeline()
         return predict_step(runner, inputs, targets, optimizer=optimizer,
-                            group=self._group, timeout=self.timeout,
+                            ranks=self._ranks,
                             measured=tuple(self._recent) or None).timeline
 
     def __call__(self, x: Any) -> Any:
@@ -366,7 +360,7 @@ class Pipe(ModelLike):
         In one process, with grad enabled, the output stays differentiable, so
         ``loss_fn(pipe(x), y).backward()`` also trains.
         """
-        if x is None and self._group is None:
+        if x is None and self._ranks.size == 1:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
         inputs = split(x, self.chunks) if x is not None else None
         runner = self._ensure_runner(x)

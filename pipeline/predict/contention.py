@@ -24,18 +24,16 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from partitioners.timing import synchronize
 from schedules import Costs, Schedule, Timeline, simulate
 
+from pipeline.group.ranks import Ranks
 from pipeline.predict.probe import ones_like_outputs, probe_runner, untouched
 from pipeline.compute.chunk import ChunkRunner
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 WINDOW = 0.08  # seconds each stage loops, alone and together (at least LEAST iterations)
 LEAST = 2
@@ -73,18 +71,11 @@ def _one_pass(runners: Sequence[ChunkWork], microbatch: int) -> None:
         runner.backward(microbatch, ones_like_outputs(output, runner.spec.is_last))
 
 
-def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: ProcessGroup,
-                        timeout: float, device: torch.device, window: float = WINDOW
-                        ) -> tuple[float, str | None]:
-    """This rank's loop time with every rank of ``group`` looping at once over its time
-    alone (ranks take turns for that), and this rank's failure if its loop raised (the
-    rank still takes part in every collective, so that no peer waits in vain). Every
-    rank of the group must call it."""
-    import torch.distributed as dist
-
-    from pipeline.group.collectives import all_reduce, barrier
-
-    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, ranks: Ranks,
+                        device: torch.device, window: float = WINDOW) -> tuple[float, str | None]:
+    """This rank's loop time with every rank looping at once over its time alone (ranks
+    take turns for that), and this rank's failure if its loop raised (the rank still takes
+    part in every collective, so that no peer waits in vain). Every rank must call it."""
     failure: str | None = None
 
     def timed(seconds: float) -> float:
@@ -97,16 +88,14 @@ def factor_across_ranks(work: Sequence[ChunkWork], microbatches: int, group: Pro
             failure = f"{type(error).__name__}: {error}"
             return 0.0
 
-    longest = torch.tensor([max(window, 2 * timed(0.0))], dtype=torch.float64, device=device)
-    all_reduce(longest, group, timeout, "agreeing on predict()'s contention window",
-               dist.ReduceOp.MAX)
-    window = float(longest)
+    window = max(ranks.gather(max(window, 2 * timed(0.0)),
+                              "agreeing on predict()'s contention window", device))
     alone = 0.0
-    for turn in range(ranks):
-        barrier(group, timeout, "timing each rank alone for predict()")
-        if turn == rank:
+    for turn in range(ranks.size):
+        ranks.gather(None, "timing each rank alone for predict()", device)  # a barrier
+        if turn == ranks.rank:
             alone = timed(window)
-    barrier(group, timeout, "timing every rank at once for predict()")
+    ranks.gather(None, "timing every rank at once for predict()", device)
     together = timed(window)
     return (together / alone if alone > 0 and together > 0 else 1.0), failure
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
+from pipeline.group.ranks import OneProcess, Ranks
 from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
 from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
 from pipeline.predict.fixed_bytes import FixedBytes, fixed_bytes
@@ -36,9 +37,6 @@ from pipeline.payloads.tree import from_wire, map_tensors, to_wire
 from pipeline.predict.probe import ChunkCosts, probe_chunk
 from pipeline.runtime.runner import Runner
 from pipeline.compute.chunk import ChunkRunner
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -79,8 +77,7 @@ def predict_step(
     targets: list[Any] | None,
     *,
     optimizer: torch.optim.Optimizer | None = None,
-    group: ProcessGroup | None = None,
-    timeout: float = 60.0,
+    ranks: Ranks | None = None,
     measured: Timeline | Sequence[Timeline] | None = None,
 ) -> Prediction:
     """Measure this runner's chunks, gather every stage's costs and simulate the step.
@@ -91,8 +88,7 @@ def predict_step(
         inputs: the micro-batches of ``x`` (where the first chunk runs), else None.
         targets: the micro-batches of the target (where the last chunk runs), else None.
         optimizer: counted for its state (Adam: two tensors per parameter).
-        group: the pipeline's process group, or None in one process.
-        timeout: seconds any collective may wait.
+        ranks: the Pipe's processes (``pipeline.group.ranks``); one process by default.
         measured: measured Timelines of earlier steps of this runner (where there are
             some: rank 0 with a group), or one, to refine the prediction: the hop latency
             from the delays their waiting consumers saw (``calibration.measured_hop_delay``,
@@ -108,22 +104,20 @@ def predict_step(
         ValueError: a rank lacks the input or the target its chunks need.
         PeerError: a rank failed or did not answer within ``timeout``.
     """
+    ranks = ranks if ranks is not None else OneProcess(60.0)
     schedule: Schedule = runner.schedule
     device = _any_device(runner)  # with a group, this rank's device: its chunks are all there
-    rows = _rows(inputs, targets, group, timeout, device)
+    stages_here = len({schedule.placement[c] for c in runner.chunks})
+    rows = _rows(inputs, targets, ranks, device)
     largest = max(range(len(rows)), key=lambda m: rows[m])
-    local, failure, work = _measure_chunks(runner, inputs, targets, largest, group, timeout,
-                                           device)
-    factor, failure = _contention(runner, work, failure, group, timeout, device)
+    local, failure, work = _measure_chunks(runner, inputs, targets, largest, ranks, device)
+    factor, failure = _contention(runner, work, failure, ranks, device, stages_here)
     overhead = action_overhead(device)
     fixed_local = fixed_bytes(runner, optimizer, local)
     delay, busy = _from_measured(schedule, measured)
-    if group is None:
-        chunks, overheads, fixed = local, (overhead,) * schedule.stages, fixed_local
-        factors = factor
-    else:
-        chunks, overheads, fixed, delay, busy, factors = _gather(
-            (local, overhead, fixed_local, failure, delay, busy, factor), group, timeout, device)
+    chunks, overheads, fixed, delay, busy, factors = _gather(
+        (local, (overhead,) * stages_here, fixed_local, failure, delay, busy, factor), ranks,
+        device)
     hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
@@ -206,17 +200,12 @@ def build_costs(
 # -- measuring this process's chunks ----------------------------------------------------------
 
 
-def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: ProcessGroup | None,
-          timeout: float, device: torch.device) -> list[int]:
+def _rows(inputs: list[Any] | None, targets: list[Any] | None, ranks: Ranks,
+          device: torch.device) -> list[int]:
     """Rows of each micro-batch, known where x or the target is, shared with every rank."""
     known = inputs if inputs is not None else targets
     rows = None if known is None else [batch_size(part) for part in known]
-    if group is None:
-        assert rows is not None
-        return rows
-    from pipeline.group.collectives import gather_objects
-
-    everyone = gather_objects(rows, group, timeout, "sharing the micro-batch sizes", device)
+    everyone = ranks.gather(rows, "sharing the micro-batch sizes", device)
     found: list[list[int]] = [r for r in everyone if r is not None]
     if not found:
         raise ValueError("predict() needs x on the rank of the first chunk and the target on "
@@ -225,8 +214,7 @@ def _rows(inputs: list[Any] | None, targets: list[Any] | None, group: ProcessGro
 
 
 def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any] | None,
-                    largest: int, group: ProcessGroup | None, timeout: float,
-                    device: torch.device
+                    largest: int, ranks: Ranks, device: torch.device
                     ) -> tuple[dict[int, ChunkCosts], str | None, dict[int, ChunkWork]]:
     """Each local chunk's costs, its input the previous chunk's output for the largest
     micro-batch (sent on from rank to rank where the placement crosses), the first
@@ -258,28 +246,26 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
                 work[c] = (chunk, source, target)
             except Exception as error:  # shared below, so that no rank waits in vain
                 failure = f"{type(error).__name__}: {error}"
-                if group is None:
+                if ranks.size == 1:  # no other rank waits for it
                     raise
-        if group is not None and c + 1 < schedule.chunks \
+        if ranks.size > 1 and c + 1 < schedule.chunks \
                 and schedule.placement[c + 1] != schedule.placement[c]:
             carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
-                                        group, timeout, device)
+                                        ranks, device)
     return measured, failure, work
 
 
 def _contention(runner: Runner, work: dict[int, ChunkWork], failure: str | None,
-                group: ProcessGroup | None, timeout: float, device: torch.device
+                ranks: Ranks, device: torch.device, stages_here: int
                 ) -> tuple[tuple[float, ...], str | None]:
     """The contention factors of this process's stages (``pipeline.predict.contention``) and the
     failure so far. With a group every rank takes part, failed or not; under NCCL (a GPU
     per rank, nothing to share) none is measured."""
-    import torch.distributed as dist
-
     schedule: Schedule = runner.schedule
-    if group is None or dist.get_backend(group) == "nccl":  # NCCL: a GPU per rank
-        return (1.0,) * schedule.stages, failure
+    if not ranks.shares_cores:
+        return (1.0,) * stages_here, failure
     mine = [] if failure is not None else [work[c] for c in sorted(work)]
-    factor, failed = factor_across_ranks(mine, schedule.microbatches, group, timeout, device)
+    factor, failed = factor_across_ranks(mine, schedule.microbatches, ranks, device)
     return (factor,), failure or failed
 
 
@@ -291,20 +277,17 @@ def _chunk_input(chunk: int, inputs: list[Any] | None, carried: Any, largest: in
     return inputs[largest]
 
 
-def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, group: ProcessGroup,
-             timeout: float, device: torch.device) -> tuple[Any, str | None]:
+def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, ranks: Ranks,
+             device: torch.device) -> tuple[Any, str | None]:
     """The producing rank's output (on the CPU) and any failure so far, on every rank. The
     output crosses as the runtime's payloads do (``to_wire``)."""
-    from pipeline.group.collectives import gather_objects
-
     wired = None
     if mine and failure is None:
         try:
             wired = to_wire(map_tensors(carried, lambda t: t.detach().cpu()))
         except (TypeError, ValueError) as error:  # shared below, as a failure
             failure = f"{type(error).__name__}: {error}"
-    shared = gather_objects((wired, failure), group, timeout,
-                            "passing a chunk's output on for predict()", device)
+    shared = ranks.gather((wired, failure), "passing a chunk's output on for predict()", device)
     failures = [f for _, f in shared if f is not None]
     wired = shared[source][0]
     return None if wired is None else from_wire(*wired), (failures[0] if failures else None)
@@ -314,17 +297,14 @@ def _any_device(runner: Runner) -> torch.device:
     return runner.chunks[next(iter(runner.chunks))].device
 
 
-def _gather(mine: tuple[Any, ...], group: ProcessGroup, timeout: float, device: torch.device
+def _gather(mine: tuple[Any, ...], ranks: Ranks, device: torch.device
             ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
                        float | None, tuple[float, ...] | None, tuple[float, ...]]:
     """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time,
     contention factors) on every rank: the chunks' costs, the overheads by stage, the fixed
     bytes, the first hop delay and busy times measured, the contention factors by stage; a
     failure raises on all of them."""
-    from pipeline.group.collectives import gather_objects
-
-    everyone = gather_objects(mine, group, timeout, "gathering the measured costs for "
-                              "predict()", device)
+    everyone = ranks.gather(mine, "gathering the measured costs for predict()", device)
     failures = [f"rank {rank}: {entry[3]}" for rank, entry in enumerate(everyone) if entry[3]]
     if failures:
         raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")
@@ -335,6 +315,6 @@ def _gather(mine: tuple[Any, ...], group: ProcessGroup, timeout: float, device: 
         all_fixed.update(stage_fixed)
     delays = [entry[4] for entry in everyone if entry[4] is not None]
     busy = [entry[5] for entry in everyone if entry[5] is not None]
-    return (measured, tuple(entry[1] for entry in everyone), all_fixed,
+    return (measured, tuple(o for entry in everyone for o in entry[1]), all_fixed,
             delays[0] if delays else None, busy[0] if busy else None,
             tuple(factor for entry in everyone for factor in entry[6]))

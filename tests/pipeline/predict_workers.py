@@ -111,7 +111,7 @@ def predict_contention(rank: int, world: int) -> dict[str, Any]:
     x, y = batch()
     inputs, targets = split_batch(x if rank == 0 else None, y if rank == world - 1 else None,
                                   4, in_process=False)
-    prediction = predict_step(pipe._runner, inputs, targets, group=dist.group.WORLD)
+    prediction = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks)
     pipe.close()
     return {"contention": prediction.contention, "makespan": prediction.timeline.makespan}
 
