@@ -50,9 +50,10 @@ from partitioners.plan_space import (
     microbatch_counts as microbatch_counts_for,
 )
 from partitioners.units import format_bytes
+from schedules.checkpointing import CHECKPOINT_MODES
 from schedules import Timeline, schedule_info, schedule_names, simulate
 
-CHECKPOINTS: tuple[str, ...] = ("never", "except_last", "always")
+CHECKPOINTS: tuple[str, ...] = CHECKPOINT_MODES  # ties go to less recomputation
 _TOLERANCE = 1e-9  # relative: a bound summed in another order may round above the makespan
 
 

@@ -31,6 +31,7 @@ from partitioners.cost import (
     saved_bytes_of,
     weight_bytes_of,
 )
+from schedules.checkpointing import check_mode, recomputed
 from schedules import Costs, Link
 
 Hop = float | Link
@@ -233,11 +234,7 @@ def _hop_time(hop: Hop, source: int, destination: int, nbytes: float) -> float:
 
 def recomputed_flags(checkpoint: str, microbatches: int) -> tuple[bool, ...]:
     """One bool per micro-batch: is its forward recomputed under ``checkpoint``."""
-    if checkpoint == "always":
-        return (True,) * microbatches
-    if checkpoint == "except_last":
-        return (True,) * (microbatches - 1) + (False,)
-    return (False,) * microbatches
+    return recomputed(check_mode(checkpoint), microbatches)
 
 
 def linear_costs(costs: Sequence[LayerCost], rows: int) -> Callable[[int], list[LayerCost]]:

@@ -14,7 +14,7 @@ from schedules import Schedule, Timeline
 
 from pipeline.runtime.build import build_runner
 from pipeline.setup.balancing import resolve_balance
-from pipeline.compute.recompute import CheckpointMode, check_mode
+from schedules.checkpointing import CheckpointMode, check_mode
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.setup.coordination import choose_plan
 from pipeline.compute.loss import loss_rule

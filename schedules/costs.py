@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, cast
 
+from schedules.checkpointing import CHECKPOINT_MODES, CheckpointMode, recomputed
 from schedules.action import Op, Schedule
 
 Value = Union[float, Sequence[float]]
@@ -47,9 +48,6 @@ HopTime = Callable[[int, int, float], float]
 Comm = Union[float, Sequence[Sequence[float]], HopTime]
 """Hop time: one number per transfer, a ``[source][destination]`` stage matrix, or a HopTime."""
 
-Checkpoint = Literal["never", "always", "except_last"]
-
-CHECKPOINT_MODES: tuple[str, ...] = ("never", "always", "except_last")
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ class Costs:
     comm: Comm = 0.0
     per: Literal["chunk", "stage"] = "chunk"
     microbatch_scale: Sequence[float] = ()
-    recompute: Checkpoint | Sequence[bool] = "never"
+    recompute: CheckpointMode | Sequence[bool] = "never"
     activation_bytes: Value | None = None
     input_bytes: Value = 0.0
     fixed_bytes: Value = 0.0
@@ -302,13 +300,9 @@ def _spreader(costs: Costs, schedule: Schedule) -> Callable[[str, object], tuple
     return spread
 
 
-def _recomputed(recompute: Checkpoint | Sequence[bool], micro: int) -> tuple[bool, ...]:
-    if recompute == "never":
-        return (False,) * micro
-    if recompute == "always":
-        return (True,) * micro
-    if recompute == "except_last":
-        return (True,) * (micro - 1) + (False,)
+def _recomputed(recompute: CheckpointMode | Sequence[bool], micro: int) -> tuple[bool, ...]:
+    if isinstance(recompute, str):
+        return recomputed(recompute, micro)
     flags = tuple(recompute)
     if len(flags) != micro:
         raise ValueError(f"recompute: expected {micro} bools (one per micro-batch), "

@@ -1,4 +1,4 @@
-"""Activation recomputation modes, and the per-layer RNG streams that make them exact.
+"""The per-layer RNG streams that make recomputation exact (the modes: ``schedules.checkpointing``).
 
 Why it is built this way: a stage that recomputes a forward right before its
 backward must see the very same random numbers (dropout masks, stochastic
@@ -32,30 +32,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Literal
 
 import torch
-
-CheckpointMode = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
-
-
-def check_mode(mode: str) -> CheckpointMode:
-    """Return ``mode`` if it is a known checkpoint mode, else raise ValueError."""
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"unknown checkpoint mode {mode!r}; expected one of: {', '.join(CHECKPOINT_MODES)}"
-        )
-    return mode  # type: ignore[return-value]
-
-
-def recomputes(mode: CheckpointMode, microbatch: int, microbatches: int) -> bool:
-    """Whether a micro-batch's forward keeps only its input and is recomputed for backward."""
-    if mode == "always":
-        return True
-    if mode == "except_last":
-        return microbatch != microbatches - 1
-    return False
 
 
 def step_seed() -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.compute.recompute import CHECKPOINT_MODES, check_mode
+from schedules.checkpointing import CHECKPOINT_MODES, check_mode
 from pipeline.group.ranks import Ranks
 from pipeline.setup.options import check_positive
 

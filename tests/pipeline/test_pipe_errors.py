@@ -85,7 +85,7 @@ def test_chunks_below_one_or_not_an_int(chunks: object) -> None:
 
 def test_unknown_checkpoint_mode() -> None:
     with pytest.raises(ValueError, match=r"unknown checkpoint mode 'sometimes'; expected one of: "
-                                         r"always, except_last, never"):
+                                         r"never, except_last, always"):
         Pipe(mlp(), 2, stages=2, checkpoint="sometimes")  # type: ignore[arg-type]
 
 
