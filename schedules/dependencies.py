@@ -23,6 +23,16 @@ def dependency_keys(schedule: Schedule, op: Op, microbatch: int, chunk: int) -> 
     return ((Op.F, microbatch, chunk), (later_op, microbatch, chunk + 1))
 
 
+def received(schedule: Schedule, action: Action) -> ActionKey | None:
+    """The one dependency of ``action`` that another chunk produces (the result it receives
+    across a chunk boundary), or None: chunk 0's forward starts from the caller's input, the
+    last chunk's backward from the loss, and a W from its own chunk's I."""
+    for key in dependency_keys(schedule, action.op, action.microbatch, action.chunk):
+        if key[2] != action.chunk:
+            return key
+    return None
+
+
 def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:
     """The actions whose results ``action`` consumes, on any stage.
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from schedules import Action, CommPlan, Event, Group, Op, Schedule
-from schedules.dependencies import ActionKey
+from schedules.dependencies import ActionKey, received
 
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.transports.base import Payload, Transport
@@ -36,9 +36,9 @@ class StagePlan:
         schedule = comm.schedule
         kept = set()
         for action in schedule.order[stage]:
-            for consumer_chunk in _consumer_chunks(schedule, action):
-                if schedule.placement[consumer_chunk] == stage:
-                    kept.add(_key(action))
+            source = received(schedule, action)
+            if source is not None and schedule.placement[source[2]] == stage:
+                kept.add(source)
         return cls(
             stage=stage,
             schedule=schedule,
@@ -65,14 +65,6 @@ class StagePlan:
 
 def _key(action: Action) -> ActionKey:
     return (action.op, action.microbatch, action.chunk)
-
-
-def _consumer_chunks(schedule: Schedule, action: Action) -> tuple[int, ...]:
-    if action.op is Op.F and action.chunk < schedule.chunks - 1:
-        return (action.chunk + 1,)
-    if action.op in (Op.B, Op.I) and action.chunk > 0:
-        return (action.chunk - 1,)
-    return ()
 
 
 @dataclass
@@ -294,8 +286,8 @@ def _compile_forward(plan: StagePlan, action: Action, infer: bool, kept: frozens
                      ) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
     is_last = index == plan.schedule.chunks - 1
-    source = None if index == 0 else _fetcher((Op.F, microbatch, index - 1),
-                                               (Op.F, microbatch, index - 1) in kept)
+    received_key = received(plan.schedule, action)
+    source = None if received_key is None else _fetcher(received_key, received_key in kept)
     deliver = _deliverer(plan, action)
 
     def forward(run: _StageRun) -> None:
@@ -333,8 +325,8 @@ def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey
     schedule = plan.schedule
     source = None
     from_peer = False
-    if index < schedule.chunks - 1:  # else the loss is the root
-        later = (schedule.backward_op(microbatch, index + 1), microbatch, index + 1)
+    later = received(schedule, action)
+    if later is not None:  # else the loss is the root
         from_peer = later not in kept
         source = _fetcher(later, not from_peer)
     split = action.op is not Op.B
