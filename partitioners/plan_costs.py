@@ -31,6 +31,8 @@ from partitioners.cost import (
     saved_bytes_of,
     weight_bytes_of,
 )
+from schedules.costs import hop_time
+from schedules.dependencies import crossings
 from schedules.checkpointing import check_mode, recomputed
 from schedules import Costs, Link
 
@@ -216,20 +218,16 @@ def makespan_lower_bound(
             backward = min(backward, sums.input_grad[chunk] + sums.weight_grad[chunk])
         busy[stage] += (sums.forward[chunk] + backward) * total_scale + sums.forward[chunk] * redo
     arrival = [0.0] * len(placement)
+    crossing = {chunk: (source, destination) for chunk, source, destination in crossings(placement)}
     for chunk in range(1, len(placement)):
         step = sums.forward[chunk - 1] * smallest
-        if placement[chunk - 1] != placement[chunk]:
-            step += _hop_time(hop, placement[chunk - 1], placement[chunk],
-                              sums.inputs[chunk] * smallest)
+        if chunk - 1 in crossing:
+            step += hop_time(hop, *crossing[chunk - 1], sums.inputs[chunk] * smallest)
         arrival[chunk] = arrival[chunk - 1] + step
     first = [float("inf")] * len(busy)
     for chunk, stage in enumerate(placement):
         first[stage] = min(first[stage], arrival[chunk])
     return max(start + work for start, work in zip(first, busy))
-
-
-def _hop_time(hop: Hop, source: int, destination: int, nbytes: float) -> float:
-    return hop(source, destination, nbytes) if callable(hop) else float(hop)
 
 
 def recomputed_flags(checkpoint: str, microbatches: int) -> tuple[bool, ...]:

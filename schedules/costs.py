@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, cast
 
+from schedules.dependencies import crossings
 from schedules.checkpointing import CHECKPOINT_MODES, CheckpointMode, recomputed
 from schedules.action import Op, Schedule
 
@@ -321,29 +322,30 @@ def _hops(
             raise ValueError(f"comm matrix: expected {schedule.stages} rows of {schedule.stages} "
                              f"(source x destination stage), got rows of {shape}")
     hops: list[dict[int, tuple[float, ...]]] = [{} for _ in range(schedule.chunks)]
-    for consumer in range(schedule.chunks):
-        # The activation arrives from the chunk before; the gradient from the chunk after,
-        # with the size of that chunk's input.
-        for producer, nbytes in ((consumer - 1, payload[consumer] if consumer else 0.0),
-                                 (consumer + 1, payload[consumer + 1]
-                                  if consumer + 1 < schedule.chunks else 0.0)):
-            if not 0 <= producer < schedule.chunks:
-                continue
-            source, destination = placement[producer], placement[consumer]
-            if source == destination:
-                continue
-            by_factor = {factor: _hop_time(comm, source, destination, nbytes * factor)
-                         for factor in set(scale)}
-            if len(by_factor) == 1:
-                hops[consumer][producer] = (by_factor.popitem()[1],) * len(scale)
-            else:
-                hops[consumer][producer] = tuple(by_factor[factor] for factor in scale)
+    for chunk, source, destination in crossings(placement):
+        # The activation goes on to the next chunk; its gradient comes back, the same size
+        # (the next chunk's input).
+        nbytes = payload[chunk + 1]
+        hops[chunk][chunk + 1] = _per_microbatch(comm, destination, source, nbytes, scale)
+        hops[chunk + 1][chunk] = _per_microbatch(comm, source, destination, nbytes, scale)
     return tuple(hops)
 
 
-def _hop_time(comm: Comm, source: int, destination: int, nbytes: float) -> float:
-    if isinstance(comm, float):
-        return comm
+def _per_microbatch(comm: Comm, source: int, destination: int, nbytes: float,
+                    scale: tuple[float, ...]) -> tuple[float, ...]:
+    by_factor = {factor: hop_time(comm, source, destination, nbytes * factor)
+                 for factor in set(scale)}
+    return tuple(by_factor[factor] for factor in scale)
+
+
+def hop_time(comm: Comm, source: int, destination: int, nbytes: float) -> float:
+    """Seconds of one transfer of ``nbytes`` from stage ``source`` to ``destination``.
+
+    Raises:
+        ValueError: a time that is not finite and >= 0.
+    """
+    if isinstance(comm, (int, float)):
+        return _check_number("comm", comm)
     if callable(comm):
         time = comm(source, destination, nbytes)
         name = f"comm({source}, {destination}, {nbytes:g})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from schedules.action import Action, Op, Schedule
@@ -31,6 +31,14 @@ def received(schedule: Schedule, action: Action) -> ActionKey | None:
         if key[2] != action.chunk:
             return key
     return None
+
+
+def crossings(placement: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Every chunk boundary between two stages, as ``(chunk, source, destination)``: chunk
+    ``chunk``'s outputs go from stage ``source`` to stage ``destination`` (chunk + 1's), and
+    the gradients of those outputs come back the other way."""
+    return tuple((chunk, placement[chunk], placement[chunk + 1])
+                 for chunk in range(len(placement) - 1) if placement[chunk] != placement[chunk + 1])
 
 
 def dependencies(schedule: Schedule, action: Action) -> tuple[Action, ...]:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from schedules import Link, Op, Schedule
+from schedules.dependencies import crossings
 
 from pipeline.group.hops import HopModel
 from pipeline.errors import PeerError
@@ -47,10 +48,9 @@ UNTIMED = 5  # ping-pongs first: the first ones after idle time read up to 10x s
 
 def hop_pairs(schedule: Schedule) -> list[tuple[int, int]]:
     """The unordered stage pairs ``(low, high)`` between which results cross, sorted."""
-    placement = schedule.placement
-    pairs = {tuple(sorted((placement[c], placement[c + 1])))
-             for c in range(schedule.chunks - 1) if placement[c] != placement[c + 1]}
-    return sorted(pairs)  # type: ignore[arg-type]
+    pairs = {(min(source, destination), max(source, destination))
+             for _, source, destination in crossings(schedule.placement)}
+    return sorted(pairs)
 
 
 def fit_link(small: float, large: float, small_bytes: int = SMALL_BYTES,

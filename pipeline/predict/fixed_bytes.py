@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from schedules import Schedule
+from schedules.dependencies import crossings
 
 from pipeline.payloads.values import crossing
 from pipeline.predict.probe import ChunkCosts
@@ -101,10 +102,11 @@ def _receive_buffers(runner: Runner, stage: int, measured: dict[int, ChunkCosts]
         return 0
     schedule: Schedule = runner.schedule
     incoming = []
+    crossing = {chunk for chunk, _, _ in crossings(schedule.placement)}
     for c in schedule.chunks_of_stage[stage]:
-        if c in measured and c > 0 and schedule.placement[c - 1] != stage:
+        if c in measured and c - 1 in crossing:
             incoming.append(measured[c].input_bytes)  # activations in
-        if c in measured and c + 1 < schedule.chunks and schedule.placement[c + 1] != stage:
+        if c in measured and c in crossing:
             incoming.append(measured[c].output_bytes)  # gradients back, the output's size
     ahead = int(getattr(transport, "lookahead", 1))
     largest = ahead * max(incoming, default=0)

@@ -27,6 +27,7 @@ import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
+from schedules.dependencies import crossings
 from pipeline.group.ranks import OneProcess, Ranks
 from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
 from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
@@ -228,6 +229,7 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
     work: dict[int, ChunkWork] = {}
     carried: Any = None
     failure: str | None = None
+    crossing = {chunk for chunk, _, _ in crossings(schedule.placement)}
     for c in range(schedule.chunks):
         if c in chunks and failure is None:
             try:
@@ -248,8 +250,7 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
                 failure = f"{type(error).__name__}: {error}"
                 if ranks.size == 1:  # no other rank waits for it
                     raise
-        if ranks.size > 1 and c + 1 < schedule.chunks \
-                and schedule.placement[c + 1] != schedule.placement[c]:
+        if ranks.size > 1 and c in crossing:
             carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
                                         ranks, device)
     return measured, failure, work
