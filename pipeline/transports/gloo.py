@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -61,8 +62,6 @@ from pipeline.transports.base import KeyedTransport
 from pipeline.errors import PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
-    CALL_SLOT,
-    FAILED,
     HEADER_BYTES,
     MAX_MESSAGE_BYTES,
     NEXT,
@@ -70,15 +69,17 @@ from pipeline.transports.wire import (
     HeaderError,
     BufferPool,
     Metas,
-    check_call,
-    decode_failure,
+    check_status,
     decode_header,
-    encode_failure,
     encode_header,
+    failure_message,
+    header_of,
     message_size,
     pack,
     stamp_call,
+    structure_bytes,
     unpack,
+    write_notice,
 )
 
 PAYLOAD_LOOKAHEAD = 4  # receives posted ahead of use, under gloo, at least
@@ -94,6 +95,19 @@ def _tag(key: ActionKey, chunks: int, second: bool) -> int:
 
 # (key, peer stage) -> (the shapes it last carried, whether they were the same as before)
 Record = dict[tuple[ActionKey, int], tuple[Metas, bool]]
+
+
+@dataclass(frozen=True)
+class _StagePlan:
+    """One stage's part of a comm plan, resolved once: its receives in order (key, source),
+    their sources, its sends (key, destination), and each message's channel, by
+    (key, peer stage), as the plan sets it."""
+
+    plan: CommPlan  # kept, so that its id is never reused while cached
+    receives: tuple[tuple[ActionKey, int], ...]
+    sources: dict[ActionKey, int]
+    sends: tuple[tuple[ActionKey, int], ...]
+    channels: dict[tuple[ActionKey, int], int]
 
 
 def _remember(record: Record, key: tuple[ActionKey, int], metas: Metas) -> None:
@@ -118,12 +132,15 @@ class GlooTransport(KeyedTransport):
         chunks: int,
         timeout: float,
     ) -> None:
-        self.group = group  # forward messages (activations)
-        # Gradients travel on a group of their own. On one group, messages both ways share
-        # each gloo pair and its lock, which its I/O thread holds while it reads what
-        # arrives: in 1F1B, where each send crosses an incoming message, a send cost its
-        # caller twice as much (tiny layers on 2 cores: 0.45 -> 0.25 ms a send).
-        self.backward_group = pipeline_groups(group, stage_ranks, 1)[0]
+        # The process group of each channel of the comm plan: channel 0 is the pipeline's
+        # group, channel 1 a second group over the same ranks. The plan decides which
+        # message takes which channel (``CommOp.channel``); comm_plan puts gradients on a
+        # channel of their own. On one group, messages both ways share each gloo pair and
+        # its lock, which its I/O thread holds while it reads what arrives: in 1F1B, where
+        # each send crosses an incoming message, a send cost its caller twice as much (tiny
+        # layers on 2 cores: 0.45 -> 0.25 ms a send).
+        self.groups: dict[int, dist.ProcessGroup] = {
+            0: group, 1: pipeline_groups(group, stage_ranks, 1)[0]}
         self.stage_ranks = list(stage_ranks)  # global rank of each stage
         self.stage = stage
         self.device = device
@@ -153,26 +170,30 @@ class GlooTransport(KeyedTransport):
         self._received_shapes: Record = {}
         self._ahead: list[tuple[ActionKey, int]] = []  # to post, in the order of use
         self._sources: dict[ActionKey, int] = {}
+        self._channels: dict[tuple[ActionKey, int], int] = {}  # (key, peer stage) -> channel
         self._posted: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
         self._abandoned: list[tuple[Any, torch.Tensor]] = []  # a failed step's last sends
-        # Per comm plan and stage (kept with the plan, so that an id is never reused):
-        # its receives in order, their sources, and its sends, resolved once.
-        self._plans: dict[tuple[int, int], tuple[CommPlan, Any, Any, Any]] = {}
+        # Per comm plan and stage, resolved once (see _StagePlan).
+        self._plans: dict[tuple[int, int], _StagePlan] = {}
         # The last header received per message, and what it decoded to: a header that
         # repeats byte for byte is not decoded (nor bounds-checked) again.
         self._decoded: dict[tuple[ActionKey, int], tuple[bytes, int, Metas]] = {}
 
     def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
-        """Note this step's receives (to post ahead), the messages owed, the call's stamp."""
+        """Note this step's receives (to post ahead), the messages owed, each message's
+        channel, the call's stamp.
+
+        Raises:
+            ValueError: the plan puts a message of ``stage`` on a channel that this
+                transport has no process group for.
+        """
         self._call = call
         known = self._plans.get((id(plan), stage))
-        if known is None or known[0] is not plan:
-            receives = tuple((op.key, op.peer) for op in plan.receives(stage))
-            sends = tuple((op.key, op.peer) for op in plan.sends(stage))
-            known = self._plans[(id(plan), stage)] = (plan, receives, dict(receives), sends)
-        _, receives, self._sources, sends = known
+        if known is None or known.plan is not plan:
+            known = self._plans[(id(plan), stage)] = self._resolve(plan, stage)
+        receives, self._sources, self._channels = known.receives, known.sources, known.channels
         self._owed = {}
-        for key, peer in sends:
+        for key, peer in known.sends:
             self._owed.setdefault(key, []).append(peer)
         self._posted = {}
         self._posted_bytes = 0
@@ -181,6 +202,19 @@ class GlooTransport(KeyedTransport):
         # first stage's first forward, which starts the whole step: 1F1B of tiny layers
         # on 2 cores, 17.4 -> 15.7 ms a step).
         self._ahead = list(receives) if self.predicts else []
+
+    def _resolve(self, plan: CommPlan, stage: int) -> _StagePlan:
+        receives, sends = plan.receives(stage), plan.sends(stage)
+        channels = {(op.key, op.peer): op.channel for op in (*receives, *sends)}
+        unknown = sorted(set(channels.values()) - self.groups.keys())
+        if unknown:
+            raise ValueError(
+                f"the comm plan ({plan.strategy}) puts messages of stage {stage} on channel(s) "
+                f"{unknown}, but the gloo transport has process groups for channels "
+                f"{sorted(self.groups)} only")
+        incoming = tuple((op.key, op.peer) for op in receives)
+        return _StagePlan(plan, incoming, dict(incoming),
+                          tuple((op.key, op.peer) for op in sends), channels)
 
     def close(self) -> None:
         """Wait briefly for what is still in flight, then drop every buffer."""
@@ -193,9 +227,8 @@ class GlooTransport(KeyedTransport):
         self._posted_bytes = 0
         self.pool = BufferPool(self.device)
         self.send_pool = BufferPool(self.device)
-        if self.backward_group is not self.group:
-            destroy([self.backward_group])
-            self.backward_group = self.group
+        destroy([group for channel, group in self.groups.items() if channel != 0])
+        self.groups = {0: self.groups[0]}
 
     def _post_ahead(self) -> None:
         while self._ahead:
@@ -216,15 +249,21 @@ class GlooTransport(KeyedTransport):
         buffer = self.pool.take(nbytes)
         peer = self.stage_ranks[source]
         try:
-            return buffer, dist.irecv(buffer, peer, self._group_of(key),
+            return buffer, dist.irecv(buffer, peer, self._group_of(key, source),
                                       tag=_tag(key, self.chunks, second))
         except RuntimeError as error:
             raise PeerError(
                 f"stage {self.stage} could not receive from rank {peer} (it died?): {error}", peer
             ) from error
 
-    def _group_of(self, key: ActionKey) -> dist.ProcessGroup:
-        return self.group if key[0] is Op.F else self.backward_group
+    def _group_of(self, key: ActionKey, peer: int) -> dist.ProcessGroup:
+        """The process group of the channel that the plan gives the message ``key`` between
+        this stage and stage ``peer``."""
+        channel = self._channels.get((key, peer))
+        if channel is None:
+            raise ValueError(f"stage {self.stage} has no {key[0].value}{key[1]}@c{key[2]} to "
+                             f"exchange with stage {peer} in this step's comm plan")
+        return self.groups[channel]
 
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:
         header = self._headers.get((metas, kind))
@@ -251,9 +290,7 @@ class GlooTransport(KeyedTransport):
         else:
             # The size the receiver posted for carries only the header; the message follows.
             notice = self.send_pool.take(HEADER_BYTES if predicted is None else message_size(predicted))
-            notice[:HEADER_BYTES].view(torch.int64).copy_(header)
-            notice[:8].view(torch.int64).fill_(NEXT)
-            stamp_call(notice, self._call)
+            write_notice(notice, header, self._call)
             self._isend(key, destination, notice, False)
             self._isend(key, destination, message, True)
         owed = self._owed.get(key)
@@ -263,7 +300,8 @@ class GlooTransport(KeyedTransport):
     def _isend(self, key: ActionKey, destination: int, buffer: torch.Tensor, second: bool) -> None:
         peer = self.stage_ranks[destination]
         try:
-            work = dist.isend(buffer, peer, self._group_of(key), tag=_tag(key, self.chunks, second))
+            work = dist.isend(buffer, peer, self._group_of(key, destination),
+                              tag=_tag(key, self.chunks, second))
         except RuntimeError as error:
             raise PeerError(
                 f"stage {self.stage} could not send to rank {peer} (it died?): {error}", peer
@@ -294,18 +332,12 @@ class GlooTransport(KeyedTransport):
             posted = self._post(key, source, self._expected_size(key, source), False)
         buffer, work = posted
         self._wait(work, key, source)
-        header = buffer[:HEADER_BYTES].view(torch.int64)
-        if self.device.type != "cpu":
-            header = header.cpu()
-        status = int(header[0])
-        if status == FAILED:
-            origin, reason = decode_failure(header)
-            raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
-        if status not in (OK, NEXT):
-            raise self._corrupt(source, f"status {status}")
-        mismatch = check_call(header, self._call, self.stage, self.stage_ranks[source])
-        if mismatch is not None:
-            raise PeerError(mismatch, self.stage_ranks[self.stage])
+        header = header_of(buffer)
+        try:
+            status = check_status(header, self._call, self.stage, self.stage_ranks[source],
+                                  self.stage_ranks[self.stage], (OK, NEXT))
+        except HeaderError as error:
+            raise self._corrupt(source, str(error)) from error
         kind, metas = self._decode(key, source, header)
         if status == NEXT:
             buffer, work = self._post(key, source, message_size(metas), True)
@@ -323,7 +355,7 @@ class GlooTransport(KeyedTransport):
 
     def _decode(self, key: ActionKey, source: int, header: torch.Tensor) -> tuple[int, Metas]:
         """``decode_header``, skipped when the header is the one this message had last time."""
-        raw = header[CALL_SLOT + 1:].numpy().tobytes()  # the same every call
+        raw = structure_bytes(header)  # the same every call
         last = self._decoded.get((key, source))
         if last is not None and last[0] == raw:
             return last[1], last[2]
@@ -370,18 +402,17 @@ class GlooTransport(KeyedTransport):
 
     def fail(self, origin: int, reason: str) -> None:
         """Tell every peer still owed a message that ``origin`` failed; best effort."""
-        failure = encode_failure(origin, reason).to(self.device)
         works = []
         for key, destinations in self._owed.items():
             for destination in destinations:
                 predicted = (_predicted(self._sent_shapes, (key, destination))
                              if self.predicts else None)
-                notice = torch.zeros(HEADER_BYTES if predicted is None else message_size(predicted),
-                                     dtype=torch.uint8, device=self.device)
-                notice[:HEADER_BYTES].view(torch.int64).copy_(failure)
+                notice = failure_message(
+                    origin, reason, HEADER_BYTES if predicted is None else message_size(predicted),
+                    self.device)
                 peer = self.stage_ranks[destination]
                 try:
-                    works.append((dist.isend(notice, peer, self._group_of(key),
+                    works.append((dist.isend(notice, peer, self._group_of(key, destination),
                                              tag=_tag(key, self.chunks, False)), notice))
                 except RuntimeError:
                     pass  # that peer is gone already

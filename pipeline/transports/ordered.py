@@ -35,15 +35,11 @@ from pipeline.transports.base import Payload
 from pipeline.errors import PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
-    CALL_SLOT,
-    FAILED,
     HEADER_SLOTS,
     MAX_MESSAGE_BYTES,
-    OK,
     BufferPool,
     HeaderError,
-    check_call,
-    decode_failure,
+    check_status,
     decode_header,
     encode_failure,
     encode_header,
@@ -108,9 +104,7 @@ class OrderedTransport:
             kind, tensors = to_wire(outgoing[op.key])
             tensors = [t.to(self.device).contiguous() for t in tensors]
             metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-            header = encode_header(metas, kind)
-            header[CALL_SLOT] = self._call
-            header = header.to(self.device)
+            header = encode_header(metas, kind, self._call).to(self.device)
             message = torch.empty(message_size(metas), dtype=torch.uint8, device=self.device)
             pack(header, tensors, message)
             outbound += [(op, header, True), (op, message, False)]
@@ -173,16 +167,9 @@ class OrderedTransport:
 
     def _read_header(self, op: CommOp, header: torch.Tensor) -> tuple[int, Any]:
         header = header.cpu()
-        status = int(header[0])
-        if status == FAILED:
-            origin, reason = decode_failure(header)
-            raise PeerError(f"rank {origin} failed: {reason}; stage {self.stage} stops", origin)
-        if status != OK:
-            raise self._corrupt(op, f"status {status}")
-        mismatch = check_call(header, self._call, self.stage, self.stage_ranks[op.peer])
-        if mismatch is not None:
-            raise PeerError(mismatch, self.stage_ranks[self.stage])
         try:
+            check_status(header, self._call, self.stage, self.stage_ranks[op.peer],
+                         self.stage_ranks[self.stage])
             return decode_header(header, self.max_message_bytes)
         except HeaderError as error:
             raise self._corrupt(op, str(error)) from error

@@ -9,6 +9,11 @@ starting at a multiple of ``ALIGNMENT`` so that the receiver's tensors are views
 of the buffer. A failure's header carries the error's text instead of shapes.
 ``BufferPool`` keeps the buffers, by size, for reuse.
 
+Headers are written and read here only: the transports build them
+(``encode_header``, ``encode_failure``, ``write_notice``, ``failure_message``) and
+check them (``check_status``, ``decode_header``) through these functions and never
+touch a slot themselves.
+
 Every field read from a header is checked against its bounds (``HeaderError``):
 a corrupt or hostile header must not allocate terabytes or read past its message.
 
@@ -20,10 +25,11 @@ call (a validation pass that one rank ran alone) refuses the message
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
+from pipeline.errors import PeerError
 from pipeline.payloads.tree import STRUCTURED, TENSOR, TUPLE
 
 MAX_TENSORS = 16
@@ -33,6 +39,7 @@ HEADER_SLOTS = 4 + MAX_TENSORS * (2 + MAX_DIMS)  # status, origin, kind, count; 
 HEADER_BYTES = HEADER_SLOTS * 8
 ALIGNMENT = 16  # every tensor starts at a multiple of the largest element size
 OK, FAILED, NEXT = 0, 1, 2  # a message's status
+STATUS_SLOT, CALL_SLOT = 0, 1  # CALL_SLOT: an OK or NEXT header's call; a failure's origin rank
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -61,8 +68,9 @@ class HeaderError(ValueError):
     """A header that no sender of this format writes: corrupt, truncated or hostile."""
 
 
-def encode_header(metas: Metas, kind: int) -> torch.Tensor:
-    """The header describing tensors of these (dtype, shape)s, for a payload of ``kind``."""
+def encode_header(metas: Metas, kind: int, stamp: int = 0) -> torch.Tensor:
+    """The header describing tensors of these (dtype, shape)s, for a payload of ``kind``,
+    sent during the call ``stamp`` (``call_stamp``; or stamped later with ``stamp_call``)."""
     if len(metas) > MAX_TENSORS:
         # A structured payload's shape takes a slot of its own: count what the user passed.
         extra = int(kind == STRUCTURED)
@@ -70,7 +78,7 @@ def encode_header(metas: Metas, kind: int) -> torch.Tensor:
             f"a stage may pass at most {MAX_TENSORS - extra} tensors"
             f"{' in a structure (its shape travels in one more slot)' if extra else ''}, "
             f"got {len(metas) - extra}")
-    values = [OK, 0, int(kind), len(metas)]
+    values = [OK, stamp, int(kind), len(metas)]
     for dtype, shape in metas:
         if len(shape) > MAX_DIMS or dtype not in _DTYPES:
             raise ValueError(
@@ -116,9 +124,6 @@ def decode_header(header: torch.Tensor, limit: int = MAX_MESSAGE_BYTES) -> tuple
     return kind, tuple(metas)
 
 
-CALL_SLOT = 1  # an OK or NEXT header's call; a failure's origin rank
-
-
 def call_stamp(count: int, training: bool) -> int:
     """The stamp of a Pipe's ``count``-th call (counted on every rank alike)."""
     return 2 * count + int(training)
@@ -131,6 +136,47 @@ def describe_call(stamp: int) -> str:
 def stamp_call(buffer: torch.Tensor, stamp: int) -> None:
     """Write ``stamp`` into the header at the start of the uint8 ``buffer``."""
     buffer[8 * CALL_SLOT: 8 * CALL_SLOT + 8].view(torch.int64).fill_(stamp)
+
+
+def header_of(message: torch.Tensor) -> torch.Tensor:
+    """The header at the start of the uint8 ``message``, on the CPU (a view of it there)."""
+    return message[:HEADER_BYTES].view(torch.int64).cpu()
+
+
+def structure_bytes(header: torch.Tensor) -> bytes:
+    """What a (CPU) header says of its payload (kind, count, each tensor's dtype and shape)
+    as bytes, its status and call left out: headers with equal bytes decode alike."""
+    return header[CALL_SLOT + 1:].numpy().tobytes()
+
+
+def write_notice(buffer: torch.Tensor, header: torch.Tensor, stamp: int) -> None:
+    """Write into the uint8 ``buffer`` the notice "size changed, the message follows":
+    the message's own ``header`` with status NEXT, sent during the call ``stamp``."""
+    pack(header, (), buffer)
+    buffer[8 * STATUS_SLOT: 8 * STATUS_SLOT + 8].view(torch.int64).fill_(NEXT)
+    stamp_call(buffer, stamp)
+
+
+def check_status(header: torch.Tensor, call: int, stage: int, sender: int, receiver: int,
+                 statuses: Collection[int] = (OK,)) -> int:
+    """The status of a (CPU) header that rank ``sender`` sent to stage ``stage`` (on rank
+    ``receiver``) during its call ``call``: one of ``statuses``.
+
+    Raises:
+        PeerError: the header is a failure's (naming the rank that failed, and why), or the
+            message was sent during another call than ``call`` (see ``check_call``).
+        HeaderError: a status outside ``statuses``.
+    """
+    status = int(header[STATUS_SLOT])
+    if status == FAILED:
+        origin, reason = decode_failure(header)
+        raise PeerError(f"rank {origin} failed: {reason}; stage {stage} stops", origin)
+    if status not in statuses:
+        raise HeaderError(f"status {status}")
+    mismatch = check_call(header, call, stage, sender)
+    if mismatch is not None:
+        raise PeerError(mismatch, receiver)
+    return status
 
 
 def check_call(header: torch.Tensor, expected: int, stage: int, rank: int) -> str | None:
@@ -149,18 +195,26 @@ def encode_failure(origin: int, reason: str) -> torch.Tensor:
     header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
     text = reason.encode("utf-8", "replace")[: (HEADER_SLOTS - 4) * 8]
     padded = text + b" " * (-len(text) % 8)
-    header[0], header[1], header[2] = FAILED, origin, len(text)
+    header[STATUS_SLOT], header[CALL_SLOT], header[2] = FAILED, origin, len(text)
     if padded:
         words = torch.frombuffer(bytearray(padded), dtype=torch.int64)
         header[4 : 4 + len(words)] = words
     return header
 
 
+def failure_message(origin: int, reason: str, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 message of ``nbytes`` (at least ``HEADER_BYTES``; the size its receiver
+    expects) that says rank ``origin`` failed: ``encode_failure``'s header, then zeros."""
+    message = torch.zeros(max(nbytes, HEADER_BYTES), dtype=torch.uint8, device=device)
+    pack(encode_failure(origin, reason), (), message)
+    return message
+
+
 def decode_failure(header: torch.Tensor) -> tuple[int, str]:
     """``(origin rank, reason)`` from a failure header (text cut to what the header holds)."""
     length = max(0, min(int(header[2]), (HEADER_SLOTS - 4) * 8))
     raw = header[4:].numpy().tobytes()[:length]
-    return int(header[1]), raw.decode("utf-8", "replace")
+    return int(header[CALL_SLOT]), raw.decode("utf-8", "replace")
 
 
 def pack(header: torch.Tensor, tensors: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:

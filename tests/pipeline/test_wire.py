@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.errors import PeerError
 from pipeline.payloads.tree import from_wire, to_wire
 from pipeline.transports.wire import (
     HEADER_BYTES,
@@ -14,18 +15,27 @@ from pipeline.transports.wire import (
     MAX_DIMS,
     MAX_MESSAGE_BYTES,
     MAX_TENSORS,
+    NEXT,
+    OK,
     TENSOR,
     STRUCTURED,
     TUPLE,
     HeaderError,
     BufferPool,
+    call_stamp,
+    check_status,
     decode_failure,
     decode_header,
     encode_failure,
     encode_header,
+    failure_message,
+    header_of,
     message_size,
     pack,
+    stamp_call,
+    structure_bytes,
     unpack,
+    write_notice,
 )
 
 CASES = [
@@ -137,3 +147,55 @@ def test_structured_payloads_round_trip(payload: object) -> None:
     assert spec_in == spec_out
     for a, b in zip(flat_in, flat_out):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+METAS = ((torch.float32, (2, 3)), (torch.int64, (5,)))
+
+
+def test_a_stamped_message_passes_its_own_calls_check_only() -> None:
+    stamp = call_stamp(7, training=True)
+    for header in (encode_header(METAS, TUPLE, stamp),  # stamped when encoded
+                   _stamped(encode_header(METAS, TUPLE), stamp)):  # or in the message
+        assert check_status(header, stamp, stage=1, sender=0, receiver=1) == OK
+        refusal = (r"during its call 6 \(an inference call\).* rank 0 "
+                   r"sent during its call 7 \(a training step\)")
+        with pytest.raises(PeerError, match=refusal) as caught:
+            check_status(header, call_stamp(6, training=False), stage=1, sender=0, receiver=1)
+        assert caught.value.rank == 1  # the receiver's, as the transports always said
+
+
+def _stamped(header: torch.Tensor, stamp: int) -> torch.Tensor:
+    message = torch.zeros(message_size(METAS), dtype=torch.uint8)
+    pack(header, (), message)
+    stamp_call(message, stamp)
+    return header_of(message)
+
+
+def test_a_notice_says_next_with_the_messages_own_structure_and_call() -> None:
+    header = encode_header(METAS, TUPLE)
+    notice = torch.full((message_size(METAS),), 0xAB, dtype=torch.uint8)
+    write_notice(notice, header, stamp=5)
+    read = header_of(notice)
+    assert check_status(read, 5, stage=2, sender=1, receiver=2, statuses=(OK, NEXT)) == NEXT
+    assert decode_header(read) == (TUPLE, METAS)
+    assert structure_bytes(read) == structure_bytes(header)  # status and call left out
+    assert structure_bytes(read) != structure_bytes(encode_header(METAS[:1], TUPLE))
+    # Where no notice is expected (NCCL's rules), one is a corrupt header.
+    with pytest.raises(HeaderError, match="status 2"):
+        check_status(read, 5, stage=2, sender=1, receiver=2)
+
+
+def test_a_failure_message_fills_the_size_expected_and_names_its_origin() -> None:
+    message = failure_message(3, "ValueError: bad layer", message_size(METAS), torch.device("cpu"))
+    assert message.numel() == message_size(METAS) and message.dtype == torch.uint8
+    assert not message[HEADER_BYTES:].any()
+    assert torch.equal(header_of(message), encode_failure(3, "ValueError: bad layer"))
+    with pytest.raises(PeerError, match=r"rank 3 failed: ValueError: bad layer; stage 1 stops") \
+            as caught:
+        check_status(header_of(message), 0, stage=1, sender=0, receiver=1, statuses=(OK, NEXT))
+    assert caught.value.rank == 3
+
+
+def test_a_status_no_sender_writes_is_a_header_error() -> None:
+    with pytest.raises(HeaderError, match="status 9"):
+        check_status(_header([9, 0, 0, 1]), 0, stage=0, sender=1, receiver=0, statuses=(OK, NEXT))
