@@ -30,7 +30,7 @@ def make_transport(
 
     ``"auto"`` takes ``"ordered"`` under NCCL and ``"gloo"`` otherwise. ``"ordered"``
     follows NCCL's rules on any backend; on gloo it also waits on every send, so a
-    CPU run meets the worst case a GPU cluster could (see ``transports.nccl``).
+    CPU run meets the worst case a GPU cluster could (see ``transports.ordered``).
 
     Raises:
         ValueError: an unknown name.
