@@ -16,6 +16,7 @@ from pipeline.runtime.build import build_runner
 from pipeline.setup.balancing import resolve_balance
 from schedules.checkpointing import CheckpointMode, check_mode
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
+from pipeline.group.distributed import Distributed, resolve_distributed
 from pipeline.setup.coordination import choose_plan
 from pipeline.compute.loss import loss_rule
 from pipeline.compute.activations import MemoryReport
@@ -43,8 +44,9 @@ RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cor
 class Pipe(ModelLike):
     """Run ``model`` as a pipeline: its layers cut into stages, micro-batches in a schedule.
 
-    In one process (``group=None``) each stage is a thread on its own device.
-    With ``group`` (a torch.distributed process group) rank r runs stage r.
+    In one process each stage is a thread on its own device. With
+    ``distributed=Distributed(group, ...)`` (or its shorthand ``group=``) rank r of the
+    process group runs stage r.
 
     Args:
         model: an ``nn.Sequential``; its modules are moved to the stages' devices in place,
@@ -72,25 +74,20 @@ class Pipe(ModelLike):
             tokens); the step's loss is then the sum of sums over the sum of counts.
         deferred_batch_norm: BatchNorm running statistics updated once per step, as one
             forward of the whole batch would (else once per micro-batch).
-        transport: with ``group``: ``"auto"`` (NCCL's rules under NCCL, tag-matched
-            messages under gloo), ``"gloo"``, or ``"ordered"``: NCCL's rules on any
-            backend (on gloo it also waits for every send, the worst case NCCL allows,
-            so a run on CPUs checks what would hang on GPUs).
         memory_limit: bytes per stage a plan must fit in (with ``"auto"``).
         memory_report: measure the activation memory each stage holds (``pipe.memory``);
             off by default, since it hooks every tensor autograd saves.
         sample: an input batch to profile when ``balance="time"`` (else the first batch).
         sample_target: the target of ``sample``: with ``"auto"``, the loss's time and the
             memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
-        group: a process group for one stage per rank (see ``pipeline.runtime.dist_runner``).
+        distributed: how the pipeline runs across processes (``pipeline.Distributed``: the
+            process group, a data-parallel group, the transport, ``init_fn``); None: one
+            process. ``group=``, ``data_group=``, ``transport=`` and ``init_fn=`` are
+            shorthands for its fields (one or the other, not both).
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
         timeout: seconds a stage waits for a peer before failing.
-        data_group: with ``group``, the data-parallel group whose replicas of this
-            stage average their gradients after each step.
-        init_fn: with a model on the ``meta`` device, called on each local layer after
-            it is materialised (default: ``reset_parameters`` where a layer has it).
     """
 
     def __init__(
@@ -116,7 +113,11 @@ class Pipe(ModelLike):
         memory_report: bool = False,
         memory_limit: float | None = None,
         sample_target: Any = None,
+        distributed: Distributed | None = None,
     ) -> None:
+        settings = resolve_distributed(distributed, group=group, data_group=data_group,
+                                       init_fn=init_fn, transport=transport)
+        group = None if settings is None else settings.group
         self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)
         # First, before anything that could raise on some ranks only.
         self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
@@ -125,10 +126,7 @@ class Pipe(ModelLike):
         self.model = check_model(model)
         self.timeout = timeout
         self._closed = False
-        self._transport = transport
-        self._group = group
-        self._data_group = data_group
-        self._init_fn = init_fn
+        self._distributed = settings
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
         per_stage = 1 if planning else chunks_per_stage(schedule, options)
@@ -172,8 +170,7 @@ class Pipe(ModelLike):
         self._recent.clear()
         self._pending = None
         runner = build_runner(self.model, self._balance, self._schedule, self._devices,
-                              self._options, self.timeout, self._group, self._data_group,
-                              self._init_fn, self._transport)
+                              self._options, self.timeout, self._distributed)
         self._runner = runner
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).

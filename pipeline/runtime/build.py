@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from schedules import Schedule
 
@@ -14,14 +13,15 @@ from pipeline.compute.chunk import ChunkOptions
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
+from pipeline.group.distributed import Distributed
 
 
 def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
                  devices: Sequence[torch.device], options: ChunkOptions, timeout: float,
-                 group: ProcessGroup | None, data_group: ProcessGroup | None,
-                 init_fn: Callable[[nn.Module], None] | None, transport: str) -> Runner:
-    """A ``LocalRunner`` over ``devices`` without a group, else this rank's ``DistRunner``."""
-    if group is None:
+                 distributed: Distributed | None) -> Runner:
+    """A ``LocalRunner`` over ``devices`` in one process, else this rank's ``DistRunner``."""
+    if distributed is None:
         return LocalRunner(model, list(balance), schedule, list(devices), options, timeout)
-    return DistRunner(model, list(balance), schedule, devices[0], options, timeout, group,
-                      data_group, init_fn, transport)
+    return DistRunner(model, list(balance), schedule, devices[0], options, timeout,
+                      distributed.group, distributed.data_group, distributed.init_fn,
+                      distributed.transport)

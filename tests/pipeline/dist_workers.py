@@ -220,20 +220,27 @@ def clipping(rank: int, world: int, max_norm: float) -> Any:
 
 
 def data_parallel(rank: int, world: int) -> Any:
-    """2 stages x 2 replicas: gradients equal the plain model's on the union of the batches."""
-    from pipeline import Pipe, make_groups
+    """2 stages x 2 replicas: gradients equal the plain model's on the union of the batches
+    (the groups given as ``Distributed``; given both ways, the Pipe refuses)."""
+    from pipeline import Distributed, Pipe, make_groups
 
     pipeline_group, data_group = make_groups(pipeline_size=2, data_parallel_size=2)
     replica = rank // 2
     x, y = batch(rows=12, seed=10 + replica)
     model = deep_mlp()
-    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), group=pipeline_group, data_group=data_group)
+    distributed = Distributed(pipeline_group, data_group=data_group)
+    try:
+        Pipe(model, chunks=3, loss_fn=nn.MSELoss(), distributed=distributed, group=pipeline_group)
+        refused = "accepted both"
+    except ValueError as error:
+        refused = str(error)
+    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), distributed=distributed)
     loss = pipe.step(x, y)
     union_x = torch.cat([batch(rows=12, seed=10 + r)[0] for r in range(2)])
     union_y = torch.cat([batch(rows=12, seed=10 + r)[1] for r in range(2)])
     reference_loss, reference = reference_grads(union_x, union_y)
     error, compared = grad_error(model, reference)
-    return abs(loss.item() - reference_loss), error, compared
+    return abs(loss.item() - reference_loss), error, compared, refused
 
 
 class SequenceModel(nn.Module):

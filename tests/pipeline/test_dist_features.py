@@ -96,7 +96,8 @@ def test_clip_grad_norm_matches_the_plain_model() -> None:
 
 
 def test_two_stages_by_two_replicas_average_gradients() -> None:
-    for loss_error, grad_error, compared in run_ranks(data_parallel, 4):
+    for loss_error, grad_error, compared, refused in run_ranks(data_parallel, 4):
+        assert refused == "pass either distributed=Distributed(...) or group=, not both"
         assert loss_error < TOLERANCE
         assert grad_error < TOLERANCE and compared > 0
 

@@ -314,3 +314,16 @@ def test_missing_x_or_target_in_one_process() -> None:
         pipe.step(None, None)
     with pytest.raises(ValueError, match=r"needs an input.*got None"):
         pipe(None)
+
+
+def test_distributed_options_need_a_process_group() -> None:
+    from pipeline import Distributed
+
+    with pytest.raises(ValueError, match=r"^data_group= needs a process group: pass group=\.\.\. "
+                                         r"\(or distributed=Distributed\(group, \.\.\.\)\)$"):
+        Pipe(mlp(), 2, stages=2, data_group=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^init_fn=, transport= need a process group"):
+        Pipe(mlp(), 2, stages=2, transport="gloo", init_fn=lambda layer: None)
+    with pytest.raises(TypeError, match="Distributed.group: expected a torch.distributed "
+                                        "ProcessGroup, got str"):
+        Distributed("world")  # type: ignore[arg-type]
