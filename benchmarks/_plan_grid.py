@@ -22,8 +22,8 @@ import torch.distributed as dist
 from _plan_workloads import COUNTS, STAGES, TIMEOUT, Workload
 from partitioners import MemoryLimitError, Plan, Profile, plan, profile
 from pipeline.group.links import calibrate_group
-from pipeline.predict.overheads import action_overhead
 from pipeline.group.ranks import RankGroup
+from pipeline.predict.overheads import action_overhead
 from schedules import Link, get_schedule
 
 

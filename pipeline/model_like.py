@@ -12,8 +12,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from pipeline.runtime.runner import Runner
 from pipeline.compute.shared import check_keys, check_ties_kept
+from pipeline.runtime.runner import Runner
 
 
 Same = TypeVar("Same", bound="ModelLike")

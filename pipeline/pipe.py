@@ -15,13 +15,13 @@ from schedules import Schedule, Timeline
 from pipeline.runtime.build import build_runner
 from pipeline.setup.balancing import resolve_balance
 from schedules.checkpointing import CheckpointMode, check_mode
-from pipeline.group.ranks import OneProcess, RankGroup, Ranks
-from pipeline.group.distributed import Distributed, resolve_distributed
-from pipeline.setup.coordination import choose_plan
-from pipeline.compute.loss import loss_rule
 from pipeline.compute.activations import MemoryReport
+from pipeline.compute.loss import loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
+from pipeline.group.distributed import Distributed, resolve_distributed
+from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.model_like import ModelLike
+from pipeline.setup.coordination import choose_plan
 from pipeline.setup.options import (
     build_schedule,
     check_model,
@@ -30,10 +30,10 @@ from pipeline.setup.options import (
     count_stages,
     resolve_devices,
 )
-from pipeline.runtime.runner import PendingTimeline, Runner
-from pipeline.compute.shared import tied_keys
 from pipeline.compute.chunk import ChunkOptions
+from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
+from pipeline.runtime.runner import PendingTimeline, Runner
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

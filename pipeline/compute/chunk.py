@@ -28,13 +28,13 @@ import torch
 from torch import nn
 
 from partitioners.split_backward import WeightGradients, backward_input
-from pipeline.errors import StageError
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.compute.recompute import layer_seed, seeded
+from pipeline.errors import StageError
 from schedules.checkpointing import CheckpointMode, recomputes
+from pipeline.compute.activations import ActivationTracker
 from pipeline.compute.forward_state import Snapshot, WrittenBuffers
 from pipeline.compute.loss import LossFunctionError, call_loss, check_loss_value
-from pipeline.compute.activations import ActivationTracker
 from pipeline.payloads.tree import Flat, detach, differentiable, flatten
 
 Grads = tuple[torch.Tensor | None, ...]

@@ -34,8 +34,8 @@ import torch
 from schedules import Link, Op, Schedule
 from schedules.dependencies import crossings
 
-from pipeline.group.hops import HopModel
 from pipeline.errors import PeerError
+from pipeline.group.hops import HopModel
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -31,9 +31,9 @@ import torch
 from partitioners.timing import synchronize
 from schedules import Costs, Schedule, Timeline, simulate
 
+from pipeline.compute.chunk import ChunkRunner
 from pipeline.group.ranks import Ranks
 from pipeline.predict.probe import ones_like_outputs, probe_runner, untouched
-from pipeline.compute.chunk import ChunkRunner
 
 WINDOW = 0.08  # seconds each stage loops, alone and together (at least LEAST iterations)
 LEAST = 2

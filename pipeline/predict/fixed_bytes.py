@@ -11,10 +11,10 @@ import torch
 from schedules import Schedule
 from schedules.dependencies import crossings
 
+from pipeline.compute.chunk import ChunkRunner
 from pipeline.payloads.values import crossing
 from pipeline.predict.probe import ChunkCosts
 from pipeline.runtime.runner import Runner
-from pipeline.compute.chunk import ChunkRunner
 
 
 @crossing

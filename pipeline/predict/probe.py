@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from pipeline.payloads.values import crossing
 from pipeline.compute.activations import ActivationTracker
-from pipeline.payloads.tree import differentiable, flatten
 from pipeline.compute.chunk import ChunkRunner
+from pipeline.payloads.tree import differentiable, flatten
+from pipeline.payloads.values import crossing
 
 WARMUP = 2
 REPEAT = 5

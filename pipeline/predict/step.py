@@ -28,16 +28,16 @@ import torch
 from schedules import Costs, Schedule, Timeline, simulate
 
 from schedules.dependencies import crossings
+from pipeline.compute.chunk import ChunkRunner
+from pipeline.compute.microbatch import batch_size, to_device
+from pipeline.group.hops import HopModel
 from pipeline.group.ranks import OneProcess, Ranks
-from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
+from pipeline.payloads.tree import from_wire, map_tensors, to_wire
 from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
 from pipeline.predict.fixed_bytes import FixedBytes, fixed_bytes
-from pipeline.group.hops import HopModel
-from pipeline.compute.microbatch import batch_size, to_device
-from pipeline.payloads.tree import from_wire, map_tensors, to_wire
+from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
 from pipeline.predict.probe import ChunkCosts, probe_chunk
 from pipeline.runtime.runner import Runner
-from pipeline.compute.chunk import ChunkRunner
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from torch import nn
 from schedules import Schedule
 
 from pipeline.compute.chunk import ChunkOptions
+from pipeline.group.distributed import Distributed
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
-from pipeline.group.distributed import Distributed
 
 
 def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedule,

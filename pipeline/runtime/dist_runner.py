@@ -12,15 +12,15 @@ from torch import nn
 
 from schedules import Event, Schedule, Timeline
 
-from pipeline.group.links import calibrate_group
-from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
-from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.microbatch import to_device
-from pipeline.group.process_groups import clock_offset
-from pipeline.compute.slicing import build_chunks
-from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
+from pipeline.compute.slicing import build_chunks
+from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
+from pipeline.group.links import calibrate_group
+from pipeline.group.process_groups import clock_offset
+from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
+from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.runner import (
     Plans,
@@ -30,8 +30,8 @@ from pipeline.runtime.runner import (
     step_of,
 )
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
-from pipeline.transports import make_transport
 from pipeline.errors import PeerError
+from pipeline.transports import make_transport
 from pipeline.transports.wire import call_stamp
 
 

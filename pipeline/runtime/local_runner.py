@@ -14,12 +14,12 @@ from torch import nn
 
 from schedules import Event, Schedule
 
-from pipeline.group.links import calibrate_local
-from pipeline.runtime.context import CallerState
-from pipeline.runtime.executor import StageResult, StepInputs, run_stage
 from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.microbatch import to_device
 from pipeline.compute.slicing import build_chunks
+from pipeline.group.links import calibrate_local
+from pipeline.runtime.context import CallerState
+from pipeline.runtime.executor import StageResult, StepInputs, run_stage
 from pipeline.runtime.runner import (
     Plans,
     PendingTimeline,
@@ -27,10 +27,10 @@ from pipeline.runtime.runner import (
     propagate_input_grads,
     step_of,
 )
-from pipeline.compute.shared import chunk_layers, shared_parameters
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
-from pipeline.runtime.step_state import StepState
+from pipeline.compute.shared import chunk_layers, shared_parameters
 from pipeline.errors import PipelineAborted
+from pipeline.runtime.step_state import StepState
 from pipeline.transports.threads import LocalTransport
 
 

@@ -11,12 +11,12 @@ from torch import nn
 
 from schedules import CommPlan, Event, Schedule, Timeline, comm_plan, forward_only
 
-from pipeline.compute.recompute import step_seed
-from pipeline.runtime.executor import StagePlan, StageResult
-from pipeline.group.hops import HopModel
 from pipeline.compute.activations import MemoryReport
-from pipeline.payloads.tree import differentiable, flatten
 from pipeline.compute.chunk import ChunkRunner
+from pipeline.compute.recompute import step_seed
+from pipeline.group.hops import HopModel
+from pipeline.payloads.tree import differentiable, flatten
+from pipeline.runtime.executor import StagePlan, StageResult
 
 
 class PendingTimeline:

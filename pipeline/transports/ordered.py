@@ -30,9 +30,9 @@ import torch.distributed as dist
 from schedules import CommOp, CommPlan, Group
 from schedules.dependencies import ActionKey
 
+from pipeline.errors import PeerError
 from pipeline.payloads.tree import from_wire, to_wire
 from pipeline.transports.base import Payload
-from pipeline.errors import PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
 from pipeline.transports.wire import (
     HEADER_SLOTS,

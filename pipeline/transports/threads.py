@@ -15,9 +15,9 @@ import torch
 from schedules import CommPlan
 from schedules.dependencies import ActionKey
 
+from pipeline.errors import PipelineAborted
 from pipeline.payloads.tree import flatten, map_tensors
 from pipeline.transports.base import KeyedTransport
-from pipeline.errors import PipelineAborted
 
 
 def move(payload: Any, device: torch.device) -> Any:

@@ -24,10 +24,10 @@ from partitioners import LayerCost
 from partitioners.plan import Candidate, Plan, plan
 from partitioners.plan_costs import linear_costs
 from pipeline.group.collectives import broadcast_object, gather_objects
+from pipeline.payloads.structure import MAX_DEPTH, StructureError
 from pipeline.payloads.values import DTYPES, MAX_JSON_BYTES, crosses, decode, encode
 from pipeline.predict.fixed_bytes import FixedBytes
 from pipeline.predict.probe import ChunkCosts
-from pipeline.payloads.structure import MAX_DEPTH, StructureError
 from pipeline.transports.groups import pipeline_groups
 from schedules import Action, Op, get_schedule
 

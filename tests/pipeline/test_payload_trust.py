@@ -25,8 +25,8 @@ from torch.utils import _pytree as pytree
 
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.payloads.tree import STRUCTURED, from_wire, to_wire
 from pipeline.payloads.structure import MAX_DEPTH, MAX_STRUCTURE_BYTES, StructureError, decode_structure
+from pipeline.payloads.tree import STRUCTURED, from_wire, to_wire
 
 TOLERANCE = 1e-10
 SCHEDULES = ("1f1b", "zb-h1")

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
+from pipeline.compute.microbatch import split_batch
 from pipeline.group.hops import HopModel
 from pipeline.group.links import calibrate_local, fit_link, hop_pairs
-from pipeline.predict.overheads import action_overhead
-from pipeline.compute.microbatch import split_batch
 from pipeline.predict.fixed_bytes import optimizer_state_bytes
+from pipeline.predict.overheads import action_overhead
 from pipeline.predict.step import predict_step
 from schedules import Link, get_schedule
 
