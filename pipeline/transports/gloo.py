@@ -7,39 +7,22 @@ longer than the plan says, so it cannot deadlock.
 
 A message is one flat byte buffer: a small int64 header (status, origin rank,
 and the dtype and shape of each tensor), then each tensor's bytes (the format is
-``pipeline.transports.wire``). One message per hop, whatever the number of tensors: every gloo call costs the sender, the
-receiver and both ranks' gloo threads time on cores the compute is using, so a
-hop that took a header message and a payload message cost twice. Shapes may
+``pipeline.transports.wire``). One message per hop, whatever the number of tensors:
+every gloo call costs the sender, the receiver and both ranks' gloo threads time on
+cores the compute is using, so a hop that took a header message and a payload
+message cost twice. Shapes may
 change from one micro-batch to the next (variable sequence lengths); receive
 buffers are pooled by size and reused once nothing refers to them any more, so
 a steady state allocates nothing. Sends never block (``isend``), and a gloo send
 whose receive is not posted yet simply waits in gloo, so no order of sends and
 receives between two neighbours can deadlock.
 
-Why receives are posted ahead, under gloo: a gloo send whose receive is not yet
-posted only announces itself; the bytes leave when the sender's gloo thread
-hears that the receive is ready. Were a receive posted only once its data was
-needed, every hop would wait for that thread to be scheduled on a core busy
-with the sender's next action: about a millisecond per hop, and in 1F1B every
-hop is on the critical path. But a receive needs its size, and the size comes
-with the message. So both ends remember, per message, the shapes it carried in
-the previous step; the receiver posts a few messages ahead with the predicted
-size, and the sender, making the same prediction, sends exactly that size (a stage posts them
-from its first wait on, in time it would idle anyway):
-
-- shapes as predicted: the whole message, in one send;
-- shapes changed, or nothing predicted (the first step, or shapes that changed
-  in the step before): a message of the size the receiver expects (the predicted
-  size, or a bare header when nothing is predicted) carrying only the header,
-  with status "next", then the whole message under a second tag, which the
-  receiver posts once the header has told it the size.
-
-A message whose shapes just changed is not predicted in the next step, so shapes
-that vary from step to step cost one extra small message per hop, never a wrong
-read. A rank that fails sends, in place of each message it still owed, one of
-the size the peer expects with status "failed" and the error's text, so its
-peers raise at once, naming it, instead of waiting; they pass the news on the
-same way.
+Receives are posted ahead of use, sized by predicting each message's shapes from
+the step before; a message whose shapes changed is announced first, in a message
+of the predicted size (see ``transports.receive_ahead``). A rank that fails sends,
+in place of each message it still owed, one of the size the peer expects with
+status "failed" and the error's text, so its peers raise at once, naming it,
+instead of waiting; they pass the news on the same way.
 """
 
 from __future__ import annotations
@@ -47,22 +30,31 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from schedules import CommPlan, Op
+from schedules import CommPlan
 from schedules.dependencies import ActionKey
 
 from pipeline.payloads.tree import from_wire, to_wire
+from pipeline.transports.addressing import StagePlan, message_tag, resolve_stage_plan
 from pipeline.transports.base import KeyedTransport
 from pipeline.errors import PeerError
 from pipeline.transports.groups import destroy, pipeline_groups
+from pipeline.transports.receive_ahead import (
+    AHEAD_BYTES,
+    PAYLOAD_LOOKAHEAD,
+    Posted,
+    ReceivesAhead,
+    Record,
+    expected_size,
+    predicted,
+    remember,
+)
 from pipeline.transports.wire import (
-    HEADER_BYTES,
     MAX_MESSAGE_BYTES,
     NEXT,
     OK,
@@ -82,42 +74,7 @@ from pipeline.transports.wire import (
     write_notice,
 )
 
-PAYLOAD_LOOKAHEAD = 4  # receives posted ahead of use, under gloo, at least
-AHEAD_BYTES = 8 << 20  # and more while their buffers stay within this many bytes
 FAILURE_GRACE = 0.5  # seconds a failing rank waits for its last messages to leave
-_OP_CODES = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
-
-
-def _tag(key: ActionKey, chunks: int, second: bool) -> int:
-    op, microbatch, chunk = key
-    return ((microbatch * chunks + chunk) * 4 + _OP_CODES[op]) * 2 + int(second)
-
-
-# (key, peer stage) -> (the shapes it last carried, whether they were the same as before)
-Record = dict[tuple[ActionKey, int], tuple[Metas, bool]]
-
-
-@dataclass(frozen=True)
-class _StagePlan:
-    """One stage's part of a comm plan, resolved once: its receives in order (key, source),
-    their sources, its sends (key, destination), and each message's channel, by
-    (key, peer stage), as the plan sets it."""
-
-    plan: CommPlan  # kept, so that its id is never reused while cached
-    receives: tuple[tuple[ActionKey, int], ...]
-    sources: dict[ActionKey, int]
-    sends: tuple[tuple[ActionKey, int], ...]
-    channels: dict[tuple[ActionKey, int], int]
-
-
-def _remember(record: Record, key: tuple[ActionKey, int], metas: Metas) -> None:
-    previous = record.get(key)
-    record[key] = (metas, previous is None or previous[0] == metas)
-
-
-def _predicted(record: Record, key: tuple[ActionKey, int]) -> Metas | None:
-    last = record.get(key)
-    return last[0] if last is not None and last[1] else None
 
 
 class GlooTransport(KeyedTransport):
@@ -154,7 +111,6 @@ class GlooTransport(KeyedTransport):
         # that receive buffers stay bounded.
         self.ahead_bytes = AHEAD_BYTES
         self._call = 0  # the stamp of the call under way (wire.call_stamp)
-        self._posted_bytes = 0
         # Sharing cores with its peers, a rank yields after each send: the receiving thread
         # our send woke tends to be queued on this core, behind our next action, for a
         # scheduler tick (a few ms; measured on 2 cores, -3 to -6% on a 1F1B step).
@@ -165,16 +121,14 @@ class GlooTransport(KeyedTransport):
         self._sends: list[tuple[Any, torch.Tensor]] = []  # in flight, with their buffers
         self._owed: dict[ActionKey, list[int]] = {}
         # What each message carried last step; both ends keep the same record, so they
-        # make the same prediction (see the module docstring).
+        # make the same prediction (see transports.receive_ahead).
         self._sent_shapes: Record = {}
         self._received_shapes: Record = {}
-        self._ahead: list[tuple[ActionKey, int]] = []  # to post, in the order of use
+        self._receives = ReceivesAhead()
         self._sources: dict[ActionKey, int] = {}
         self._channels: dict[tuple[ActionKey, int], int] = {}  # (key, peer stage) -> channel
-        self._posted: dict[ActionKey, tuple[torch.Tensor, Any]] = {}
         self._abandoned: list[tuple[Any, torch.Tensor]] = []  # a failed step's last sends
-        # Per comm plan and stage, resolved once (see _StagePlan).
-        self._plans: dict[tuple[int, int], _StagePlan] = {}
+        self._plans: dict[tuple[int, int], StagePlan] = {}  # by (id of plan, stage)
         # The last header received per message, and what it decoded to: a header that
         # repeats byte for byte is not decoded (nor bounds-checked) again.
         self._decoded: dict[tuple[ActionKey, int], tuple[bytes, int, Metas]] = {}
@@ -190,31 +144,17 @@ class GlooTransport(KeyedTransport):
         self._call = call
         known = self._plans.get((id(plan), stage))
         if known is None or known.plan is not plan:
-            known = self._plans[(id(plan), stage)] = self._resolve(plan, stage)
+            known = self._plans[(id(plan), stage)] = resolve_stage_plan(
+                plan, stage, self.groups.keys())
         receives, self._sources, self._channels = known.receives, known.sources, known.channels
         self._owed = {}
         for key, peer in known.sends:
             self._owed.setdefault(key, []).append(peer)
-        self._posted = {}
-        self._posted_bytes = 0
         # Posted from the first wait on (``_wait``), not here: a gloo receive costs its
         # caller about 0.15 ms, and here that would delay the stage's first action (the
         # first stage's first forward, which starts the whole step: 1F1B of tiny layers
         # on 2 cores, 17.4 -> 15.7 ms a step).
-        self._ahead = list(receives) if self.predicts else []
-
-    def _resolve(self, plan: CommPlan, stage: int) -> _StagePlan:
-        receives, sends = plan.receives(stage), plan.sends(stage)
-        channels = {(op.key, op.peer): op.channel for op in (*receives, *sends)}
-        unknown = sorted(set(channels.values()) - self.groups.keys())
-        if unknown:
-            raise ValueError(
-                f"the comm plan ({plan.strategy}) puts messages of stage {stage} on channel(s) "
-                f"{unknown}, but the gloo transport has process groups for channels "
-                f"{sorted(self.groups)} only")
-        incoming = tuple((op.key, op.peer) for op in receives)
-        return _StagePlan(plan, incoming, dict(incoming),
-                          tuple((op.key, op.peer) for op in sends), channels)
+        self._receives.start_step(receives if self.predicts else ())
 
     def close(self) -> None:
         """Wait briefly for what is still in flight, then drop every buffer."""
@@ -223,34 +163,26 @@ class GlooTransport(KeyedTransport):
                 work.wait(timedelta(seconds=FAILURE_GRACE))
             except RuntimeError:
                 pass
-        self._sends, self._abandoned, self._posted = [], [], {}
-        self._posted_bytes = 0
+        self._sends, self._abandoned = [], []
+        self._receives.drop_posted()
         self.pool = BufferPool(self.device)
         self.send_pool = BufferPool(self.device)
         destroy([group for channel, group in self.groups.items() if channel != 0])
         self.groups = {0: self.groups[0]}
 
     def _post_ahead(self) -> None:
-        while self._ahead:
-            key, source = self._ahead[0]
-            size = self._expected_size(key, source)
-            if len(self._posted) >= self.lookahead and \
-                    self._posted_bytes + size > self.ahead_bytes:
-                return
-            self._ahead.pop(0)
-            self._posted[key] = self._post(key, source, size, False)
-            self._posted_bytes += size
+        self._receives.post(self._post, self._expected_size, self.lookahead, self.ahead_bytes)
 
     def _expected_size(self, key: ActionKey, source: int) -> int:
-        metas = _predicted(self._received_shapes, (key, source)) if self.predicts else None
-        return HEADER_BYTES if metas is None else message_size(metas)
+        return expected_size(
+            predicted(self._received_shapes, (key, source)) if self.predicts else None)
 
-    def _post(self, key: ActionKey, source: int, nbytes: int, second: bool) -> tuple[torch.Tensor, Any]:
+    def _post(self, key: ActionKey, source: int, nbytes: int, second: bool = False) -> Posted:
         buffer = self.pool.take(nbytes)
         peer = self.stage_ranks[source]
         try:
             return buffer, dist.irecv(buffer, peer, self._group_of(key, source),
-                                      tag=_tag(key, self.chunks, second))
+                                      tag=message_tag(key, self.chunks, second))
         except RuntimeError as error:
             raise PeerError(
                 f"stage {self.stage} could not receive from rank {peer} (it died?): {error}", peer
@@ -277,19 +209,19 @@ class GlooTransport(KeyedTransport):
         tensors = [t.to(self.device).contiguous() for t in tensors]
         metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         header = self._header(metas, kind)
-        predicted = None
+        predicted_metas = None
         if self.predicts:
-            predicted = _predicted(self._sent_shapes, (key, destination))
-            _remember(self._sent_shapes, (key, destination), metas)
+            predicted_metas = predicted(self._sent_shapes, (key, destination))
+            remember(self._sent_shapes, (key, destination), metas)
         self._release_sent()
         message = self.send_pool.take(message_size(metas))
         pack(header, tensors, message)
         stamp_call(message, self._call)
-        if predicted == metas:
+        if predicted_metas == metas:
             self._isend(key, destination, message, False)
         else:
             # The size the receiver posted for carries only the header; the message follows.
-            notice = self.send_pool.take(HEADER_BYTES if predicted is None else message_size(predicted))
+            notice = self.send_pool.take(expected_size(predicted_metas))
             write_notice(notice, header, self._call)
             self._isend(key, destination, notice, False)
             self._isend(key, destination, message, True)
@@ -301,7 +233,7 @@ class GlooTransport(KeyedTransport):
         peer = self.stage_ranks[destination]
         try:
             work = dist.isend(buffer, peer, self._group_of(key, destination),
-                              tag=_tag(key, self.chunks, second))
+                              tag=message_tag(key, self.chunks, second))
         except RuntimeError as error:
             raise PeerError(
                 f"stage {self.stage} could not send to rank {peer} (it died?): {error}", peer
@@ -321,14 +253,8 @@ class GlooTransport(KeyedTransport):
             self._sends.pop(0)
 
     def receive(self, key: ActionKey, source: int) -> Any:
-        posted = self._posted.pop(key, None)
-        if posted is not None:
-            self._posted_bytes -= posted[0].numel()
-        else:
-            if self._ahead and self._ahead[0][0] == key:
-                self._ahead.pop(0)
-            else:
-                self._ahead = [entry for entry in self._ahead if entry[0] != key]
+        posted = self._receives.claim(key)
+        if posted is None:
             posted = self._post(key, source, self._expected_size(key, source), False)
         buffer, work = posted
         self._wait(work, key, source)
@@ -343,7 +269,7 @@ class GlooTransport(KeyedTransport):
             buffer, work = self._post(key, source, message_size(metas), True)
             self._wait(work, key, source)
         if self.predicts:
-            _remember(self._received_shapes, (key, source), metas)
+            remember(self._received_shapes, (key, source), metas)
         if buffer.numel() < message_size(metas):
             raise self._corrupt(source, f"{buffer.numel()} bytes arrived for a header "
                                         f"announcing {message_size(metas)}")
@@ -405,15 +331,14 @@ class GlooTransport(KeyedTransport):
         works = []
         for key, destinations in self._owed.items():
             for destination in destinations:
-                predicted = (_predicted(self._sent_shapes, (key, destination))
-                             if self.predicts else None)
-                notice = failure_message(
-                    origin, reason, HEADER_BYTES if predicted is None else message_size(predicted),
-                    self.device)
+                predicted_metas = (predicted(self._sent_shapes, (key, destination))
+                                   if self.predicts else None)
+                notice = failure_message(origin, reason, expected_size(predicted_metas),
+                                         self.device)
                 peer = self.stage_ranks[destination]
                 try:
                     works.append((dist.isend(notice, peer, self._group_of(key, destination),
-                                             tag=_tag(key, self.chunks, False)), notice))
+                                             tag=message_tag(key, self.chunks, False)), notice))
                 except RuntimeError:
                     pass  # that peer is gone already
         self._owed = {}

@@ -85,7 +85,7 @@ def gloo_channels_follow_the_plan(rank: int, world: int) -> dict[str, Any]:
     def recording(function: Any, kind: str) -> Any:
         def call(tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0,
                  **options: Any) -> Any:
-            code, microbatch = (tag // 2) % 4, (tag // 2) // 4  # gloo._tag with one chunk
+            code, microbatch = (tag // 2) % 4, (tag // 2) // 4  # addressing.message_tag with one chunk
             seen.append((plan_name, "FBIW"[code], microbatch, channel_of_group[id(group)], kind))
             return function(tensor, peer, group, tag=tag, **options)
         return call
