@@ -1,5 +1,6 @@
 """Run pipeline schedules on real tensors: threads in one process, or one stage per rank."""
 
+from pipeline.checkpoints import load_checkpoint, load_into_model, save_checkpoint
 from pipeline.compute.activations import MemoryReport
 from pipeline.errors import PeerError, PipelineAborted, StageError
 from pipeline.group.distributed import Distributed
@@ -15,6 +16,9 @@ __all__ = [
     "PipelineAborted",
     "StageError",
     "gather_state_dict",
+    "load_checkpoint",
+    "load_into_model",
     "make_groups",
+    "save_checkpoint",
     "save_state_dict",
 ]

@@ -207,6 +207,23 @@ class Pipe(ModelLike):
     # -- what users read ------------------------------------------------------------------
 
     @property
+    def distributed(self) -> Distributed | None:
+        """How this Pipe runs across processes (None: in one process)."""
+        return self._distributed
+
+    @property
+    def local_layers(self) -> list[int]:
+        """The indices of the model's layers this process runs (all of them in one process).
+
+        Raises:
+            ValueError: the model is not cut yet (``balance="time"`` waits for a batch).
+        """
+        if self._runner is None:
+            raise ValueError("this Pipe has not cut its model yet (balance='time' waits for "
+                             "its first batch): run a step first")
+        return list(self._runner.local_layers)
+
+    @property
     def ranks(self) -> Ranks:
         """The processes this Pipe runs on (``pipeline.group.ranks``): one, or a group's."""
         return self._ranks

@@ -47,6 +47,7 @@ class LocalRunner:
         timeout: float,
     ) -> None:
         self.model = model
+        self.local_layers = list(range(len(model)))
         self.schedule = schedule
         self.devices = list(devices)
         self.timeout = timeout

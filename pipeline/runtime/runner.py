@@ -56,6 +56,7 @@ class Runner(Protocol):
         schedule: the Schedule it runs.
         chunks: this process's chunks by model-chunk index (all of them in one process).
         hops: the hop model its construction calibrated (for ``Pipe.predict``).
+        local_layers: the model's layers this process runs (all of them in one process).
         memory: per local stage, the activation memory of the last step (with
             ``memory_report``; else empty).
     """
@@ -63,6 +64,7 @@ class Runner(Protocol):
     schedule: Schedule
     chunks: dict[int, ChunkRunner]
     hops: HopModel
+    local_layers: list[int]
     memory: tuple[MemoryReport, ...]
 
     def run_step(
