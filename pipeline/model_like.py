@@ -26,6 +26,18 @@ class ModelLike:
     _runner: Runner | None
     _ties: list[tuple[str, ...]]  # the model's tied keys, read before any rank freed a layer
 
+    @property
+    def local_layers(self) -> list[int]:
+        """The indices of the model's layers this process runs (all of them in one process).
+
+        Raises:
+            ValueError: the model is not cut yet (``balance="time"`` waits for a batch).
+        """
+        if self._runner is None:
+            raise ValueError("this Pipe has not cut its model yet (balance='time' waits for "
+                             "its first batch): run a step first")
+        return list(self._runner.local_layers)
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this process holds (all of them in one process), each once; after
         ``close``, those it held (a rank's share of the model stays where it was)."""

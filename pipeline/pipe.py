@@ -11,29 +11,23 @@ import torch
 from torch import nn
 
 from schedules import Schedule, Timeline
-
-from pipeline.runtime.build import build_runner
-from pipeline.setup.balancing import resolve_balance
 from schedules.checkpointing import CheckpointMode, check_mode
+
 from pipeline.compute.activations import MemoryReport
+from pipeline.compute.chunk import ChunkOptions
 from pipeline.compute.loss import loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
+from pipeline.compute.shared import tied_keys
+from pipeline.errors import PeerError
 from pipeline.group.distributed import Distributed, resolve_distributed
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.model_like import ModelLike
-from pipeline.setup.coordination import choose_plan
-from pipeline.setup.options import (
-    build_schedule,
-    check_model,
-    check_positive,
-    chunks_per_stage,
-    count_stages,
-    resolve_devices,
-)
-from pipeline.compute.chunk import ChunkOptions
-from pipeline.compute.shared import tied_keys
-from pipeline.errors import PeerError
+from pipeline.runtime.build import build_runner
 from pipeline.runtime.runner import PendingTimeline, Runner
+from pipeline.setup.balancing import resolve_balance
+from pipeline.setup.coordination import choose_plan
+from pipeline.setup.options import (build_schedule, check_model, check_positive,
+                                    chunks_per_stage, count_stages, resolve_devices)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -212,18 +206,6 @@ class Pipe(ModelLike):
         return self._distributed
 
     @property
-    def local_layers(self) -> list[int]:
-        """The indices of the model's layers this process runs (all of them in one process).
-
-        Raises:
-            ValueError: the model is not cut yet (``balance="time"`` waits for a batch).
-        """
-        if self._runner is None:
-            raise ValueError("this Pipe has not cut its model yet (balance='time' waits for "
-                             "its first batch): run a step first")
-        return list(self._runner.local_layers)
-
-    @property
     def ranks(self) -> Ranks:
         """The processes this Pipe runs on (``pipeline.group.ranks``): one, or a group's."""
         return self._ranks
@@ -341,9 +323,8 @@ class Pipe(ModelLike):
         the optimizer's state, receive buffers and the activations the schedule
         holds). After steps the prediction is refined from the measured timelines of
         the last few (up to ``RECENT_STEPS``): the hop latency from the delays their
-        waiting stages saw, each stage's compute from its median busy time.
-        ``pipeline.predict.step.predict_step``
-        returns the costs beside the Timeline.
+        waiting stages saw, each stage's compute from its median busy time
+        (``pipeline.predict.step.predict_step`` returns the costs beside the Timeline).
 
         Args:
             x: the batch, as for ``step`` (with a group: on the first chunk's rank).
