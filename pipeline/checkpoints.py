@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
@@ -170,13 +169,10 @@ def _scope_of_pipe(pipe: Pipe) -> _Scope:
     view = nn.Module()  # the local layers under the nn.Sequential's names: "4.weight"
     for index in pipe.local_layers:
         view.add_module(str(index), pipe.model[index])
-    ranks = pipe.ranks
-    settings = pipe.distributed
-    if settings is not None and settings.data_group is not None:
+    ranks, settings = pipe.ranks, pipe.distributed
+    if settings is not None:
         # Data-parallel replicas write the same keys (DCP keeps one copy): all take part.
-        world = dist.group.WORLD
-        assert world is not None  # a data group implies an initialised default group
-        ranks = RankGroup(world, pipe.timeout)
+        ranks = RankGroup(settings.holders, pipe.timeout)
     return _Scope(view, ranks, pipe.devices[0])
 
 

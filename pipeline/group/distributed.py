@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -36,6 +37,16 @@ class Distributed:
     data_group: ProcessGroup | None = None
     transport: str = "auto"
     init_fn: Callable[[nn.Module], None] | None = None
+
+    @property
+    def holders(self) -> ProcessGroup:
+        """Every rank that holds a part of the model: the pipeline's group, or with
+        data-parallel replicas the default group."""
+        if isinstance(self.data_group, ProcessGroup):
+            world = dist.group.WORLD
+            assert world is not None  # a data group implies an initialised default group
+            return world
+        return self.group
 
     def __post_init__(self) -> None:
         if not isinstance(self.group, ProcessGroup):
