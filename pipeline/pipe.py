@@ -31,6 +31,7 @@ from pipeline.setup.options import (build_schedule, check_model, check_positive,
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
@@ -78,6 +79,8 @@ class Pipe(ModelLike):
             process group, a data-parallel group, the transport, ``init_fn``); None: one
             process. ``group=``, ``data_group=``, ``transport=`` and ``init_fn=`` are
             shorthands for its fields (one or the other, not both).
+        mesh: a ``DeviceMesh`` with dimensions named ``"pp"`` (the pipeline) and optionally
+            ``"dp"`` (data-parallel replicas): ``Distributed.from_mesh``.
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
@@ -108,8 +111,9 @@ class Pipe(ModelLike):
         memory_limit: float | None = None,
         sample_target: Any = None,
         distributed: Distributed | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
-        settings = resolve_distributed(distributed, group=group, data_group=data_group,
+        settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
                                        init_fn=init_fn, transport=transport)
         group = None if settings is None else settings.group
         self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)

@@ -1,8 +1,9 @@
 """A Pipe's distributed options in one place: the process groups, the transport, materialising.
 
 ``Pipe(..., distributed=Distributed(group, data_group=...))`` says how a pipeline runs
-across processes; the separate keywords ``group=``, ``data_group=``, ``transport=`` and
-``init_fn=`` remain as shorthands for it.
+across processes; ``Pipe(..., mesh=init_device_mesh(..., mesh_dim_names=("pp", "dp")))``
+takes the groups from a device mesh; the separate keywords ``group=``, ``data_group=``,
+``transport=`` and ``init_fn=`` remain as shorthands.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipeline.transports import TRANSPORTS
+
+
+MESH_DIMENSIONS = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -31,12 +36,37 @@ class Distributed:
             waits for every send, the worst case NCCL allows).
         init_fn: with a model on the ``meta`` device, called on each local layer after it
             is materialised (default: ``reset_parameters`` where a layer has it).
+        mesh: the device mesh the groups came from (``from_mesh``), else None.
     """
 
     group: ProcessGroup
     data_group: ProcessGroup | None = None
     transport: str = "auto"
     init_fn: Callable[[nn.Module], None] | None = None
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, transport: str = "auto",
+                  init_fn: Callable[[nn.Module], None] | None = None) -> Distributed:
+        """The pipeline along the mesh's ``"pp"`` dimension (each coordinate of the others is
+        its own pipeline, sending to the same coordinate of the next stage), data-parallel
+        replicas along ``"dp"`` (their gradients averaged after each step).
+
+        Raises:
+            ValueError: a mesh without a ``"pp"`` dimension, or with one of another name.
+            NotImplementedError: a ``"tp"`` dimension larger than 1 (not built yet).
+        """
+        names = tuple(mesh.mesh_dim_names or ())
+        unknown = [name for name in names if name not in MESH_DIMENSIONS]
+        if "pp" not in names or unknown:
+            raise ValueError(f"mesh: expected dimensions named among {MESH_DIMENSIONS} with a "
+                             f"'pp' one, got {names or 'unnamed dimensions'}")
+        if "tp" in names and mesh["tp"].size() > 1:
+            raise NotImplementedError(f"tensor parallelism inside stages is not built yet: "
+                                      f"the mesh's 'tp' dimension must be 1, got "
+                                      f"{mesh['tp'].size()}")
+        data_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
+        return cls(mesh["pp"].get_group(), data_group, transport, init_fn, mesh)
 
     @property
     def holders(self) -> ProcessGroup:
@@ -57,20 +87,29 @@ class Distributed:
                              f"{', '.join(TRANSPORTS)}")
 
 
-def resolve_distributed(distributed: Distributed | None, **shorthands: Any
-                        ) -> Distributed | None:
-    """``distributed``, or the one the shorthand keywords describe (None: one process).
+def resolve_distributed(distributed: Distributed | None, mesh: DeviceMesh | None = None,
+                        **shorthands: Any) -> Distributed | None:
+    """``distributed``, or the one ``mesh`` or the shorthand keywords describe (None: one
+    process).
 
     Raises:
-        ValueError: both ``distributed`` and a shorthand, or a shorthand without ``group``.
+        ValueError: ``distributed`` with ``mesh`` or a shorthand, ``mesh`` with a group, or a
+            shorthand without ``group``.
     """
     given = {name: value for name, value in shorthands.items()
              if value is not None and not (name == "transport" and value == "auto")}
     if distributed is not None:
-        if given:
+        if given or mesh is not None:
+            also = [*(["mesh"] if mesh is not None else []), *given]
             raise ValueError(f"pass either distributed=Distributed(...) or "
-                             f"{', '.join(f'{name}=' for name in given)}, not both")
+                             f"{', '.join(f'{name}=' for name in also)}, not both")
         return distributed
+    if mesh is not None:
+        groups = [name for name in ("group", "data_group") if name in given]
+        if groups:
+            raise ValueError(f"mesh= gives the process groups: pass it without "
+                             f"{', '.join(f'{name}=' for name in groups)}")
+        return Distributed.from_mesh(mesh, **given)
     if "group" not in given:
         if given:
             verb = "needs" if len(given) == 1 else "need"

@@ -609,3 +609,30 @@ def parameters_after_close(rank: int, world: int) -> tuple[int, int]:
     before = sum(p.numel() for p in pipe.parameters())
     pipe.close()
     return before, sum(p.numel() for p in pipe.parameters())
+
+
+def mesh_data_parallel(rank: int, world: int) -> Any:
+    """A (pp, dp) = (2, 2) device mesh: the pipeline along pp, replicas along dp, gradients
+    equal the plain model's on the union of the replicas' batches; a tp > 1 is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import Pipe
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    replica = mesh.get_local_rank("dp")
+    x, y = batch(rows=12, seed=20 + replica)
+    model = deep_mlp()
+    pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), mesh=mesh)
+    loss = pipe.step(x, y)
+    union_x = torch.cat([batch(rows=12, seed=20 + r)[0] for r in range(2)])
+    union_y = torch.cat([batch(rows=12, seed=20 + r)[1] for r in range(2)])
+    reference_loss, reference = reference_grads(union_x, union_y)
+    error, compared = grad_error(model, reference)
+    pipe.close()
+    try:
+        Pipe(deep_mlp(), chunks=3, loss_fn=nn.MSELoss(),
+             mesh=init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
+        refused = "accepted"
+    except NotImplementedError as failure:
+        refused = str(failure)
+    return abs(loss.item() - reference_loss), error, compared, pipe.stages, refused
