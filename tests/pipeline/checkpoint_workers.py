@@ -110,3 +110,26 @@ def resume_and_train(rank: int, world: int, directory: str) -> dict[str, Any]:
         resumed[name] = {"step": step, "rng": rng, "parameters": named_parameters(pipe.model)}
         pipe.close()
     return dict(portable(resumed))
+
+
+def mesh_train_and_save(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """(pp, dp) = (2, 2) from a device mesh, Adam: each replica trains on its own batches,
+    all four ranks save one checkpoint (replicas write the same keys); what rank 0 holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import Pipe, save_checkpoint
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    replica = mesh.get_local_rank("dp")
+    pipe = Pipe(deep_mlp(), chunks=CHUNKS, loss_fn=nn.MSELoss(), mesh=mesh)
+    optimizer = OPTIMIZERS["adam"](pipe.parameters())
+    for step in range(STEPS_BEFORE_SAVE):
+        x, y = batch(seed=100 * replica + step)
+        optimizer.zero_grad()
+        pipe.step(x, y)
+        optimizer.step()
+    save_checkpoint(pipe, optimizer, directory, STEPS_BEFORE_SAVE)
+    held = named_parameters(pipe.model)
+    pipe.close()
+    return dict(portable(held))

@@ -230,3 +230,26 @@ def test_a_saver_killed_midway_leaves_a_directory_that_is_refused(tmp_path: Path
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         load_into_model(model, None, tmp_path / "never-written")
     assert load_into_model(model, torch.optim.SGD(model.parameters(), lr=0.1), target) == 5
+
+
+def test_data_parallel_replicas_save_one_checkpoint_the_plain_model_loads(tmp_path: Path) -> None:
+    from checkpoint_workers import mesh_train_and_save
+
+    held = [_tensors(result) for result in run_ranks(mesh_train_and_save, 4, str(tmp_path / "dp"))]
+    model = deep_mlp()
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    for step in range(STEPS_BEFORE_SAVE):  # the replicas' average: the plain model on both
+        x = torch.cat([batch(seed=100 * replica + step)[0] for replica in range(2)])
+        y = torch.cat([batch(seed=100 * replica + step)[1] for replica in range(2)])
+        optimizer.zero_grad()
+        nn.MSELoss()(model(x), y).backward()
+        optimizer.step()
+    expected = named_parameters(model)
+    loaded = deep_mlp()
+    loaded_optimizer = OPTIMIZERS["adam"](loaded.parameters())
+    assert load_into_model(loaded, loaded_optimizer, tmp_path / "dp") == STEPS_BEFORE_SAVE
+    assert _worst(named_parameters(loaded), expected) < TOLERANCE
+    assert _worst(optimizer_state(loaded, loaded_optimizer), optimizer_state(model, optimizer)) \
+        < TOLERANCE
+    for rank_held in held:  # every rank held its stage's share of the same parameters
+        assert _worst(rank_held, {k: expected[k] for k in rank_held}) < TOLERANCE
