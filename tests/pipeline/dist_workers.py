@@ -235,12 +235,20 @@ def data_parallel(rank: int, world: int) -> Any:
     except ValueError as error:
         refused = str(error)
     pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), distributed=distributed)
+    return (*_against_both_replicas(pipe, x, y, seed=10), refused)
+
+
+def _against_both_replicas(pipe: Any, x: torch.Tensor, y: torch.Tensor, seed: int
+                           ) -> tuple[float, float, int]:
+    """One step of this replica's batch; its loss and gradients against the plain model on
+    both replicas' batches (seeds ``seed`` and ``seed + 1``): loss error, gradient error,
+    parameters compared."""
     loss = pipe.step(x, y)
-    union_x = torch.cat([batch(rows=12, seed=10 + r)[0] for r in range(2)])
-    union_y = torch.cat([batch(rows=12, seed=10 + r)[1] for r in range(2)])
+    union_x = torch.cat([batch(rows=12, seed=seed + r)[0] for r in range(2)])
+    union_y = torch.cat([batch(rows=12, seed=seed + r)[1] for r in range(2)])
     reference_loss, reference = reference_grads(union_x, union_y)
-    error, compared = grad_error(model, reference)
-    return abs(loss.item() - reference_loss), error, compared, refused
+    error, compared = grad_error(pipe.model, reference)
+    return abs(loss.item() - reference_loss), error, compared
 
 
 class SequenceModel(nn.Module):
@@ -623,11 +631,7 @@ def mesh_data_parallel(rank: int, world: int) -> Any:
     x, y = batch(rows=12, seed=20 + replica)
     model = deep_mlp()
     pipe = Pipe(model, chunks=3, loss_fn=nn.MSELoss(), mesh=mesh)
-    loss = pipe.step(x, y)
-    union_x = torch.cat([batch(rows=12, seed=20 + r)[0] for r in range(2)])
-    union_y = torch.cat([batch(rows=12, seed=20 + r)[1] for r in range(2)])
-    reference_loss, reference = reference_grads(union_x, union_y)
-    error, compared = grad_error(model, reference)
+    loss_error, error, compared = _against_both_replicas(pipe, x, y, seed=20)
     pipe.close()
     try:
         Pipe(deep_mlp(), chunks=3, loss_fn=nn.MSELoss(),
@@ -635,4 +639,4 @@ def mesh_data_parallel(rank: int, world: int) -> Any:
         refused = "accepted"
     except NotImplementedError as failure:
         refused = str(failure)
-    return abs(loss.item() - reference_loss), error, compared, pipe.stages, refused
+    return loss_error, error, compared, pipe.stages, refused
