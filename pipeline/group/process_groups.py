@@ -65,12 +65,15 @@ def schedule_digest(schedule: Schedule) -> str:
     return f"{schedule.name}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
-def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
-    """Build this rank's pipeline group and data-parallel group from the world.
+def make_groups(pipeline_size: int, data_parallel_size: int
+                ) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Build this rank's pipeline group and data-parallel group from the world: a thin helper
+    over ``init_device_mesh((data_parallel_size, pipeline_size), ("dp", "pp"))``.
 
     Ranks are laid out ``rank = replica * pipeline_size + stage``: each pipeline
     holds consecutive ranks, and the replicas of one stage form a data-parallel
     group. Every rank must call this (it creates every group, in the same order).
+    ``Pipe(..., mesh=...)`` takes such a mesh directly.
 
     Returns:
         ``(pipeline_group, data_group)`` for the calling rank.
@@ -78,25 +81,18 @@ def make_groups(pipeline_size: int, data_parallel_size: int) -> tuple[Any, Any]:
     Raises:
         ValueError: the world size is not ``pipeline_size * data_parallel_size``.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = dist.get_world_size()
     if pipeline_size < 1 or data_parallel_size < 1 or pipeline_size * data_parallel_size != world:
         raise ValueError(
             f"pipeline_size x data_parallel_size must equal the world size {world}, got "
             f"{pipeline_size} x {data_parallel_size}"
         )
-    rank = dist.get_rank()
-    pipeline_group = data_group = None
-    for replica in range(data_parallel_size):
-        ranks = [replica * pipeline_size + stage for stage in range(pipeline_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            pipeline_group = group
-    for stage in range(pipeline_size):
-        ranks = [replica * pipeline_size + stage for replica in range(data_parallel_size)]
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            data_group = group
-    return pipeline_group, data_group
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (data_parallel_size, pipeline_size),
+                            mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"].get_group()
 
 
 def check_ranks_agree(group: dist.ProcessGroup, timeout: float, **arguments: Any) -> None:
