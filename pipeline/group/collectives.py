@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.errors import PeerError
-from pipeline.payloads.structure import StructureError, short
+from pipeline.payloads.checked_json import StructureError, short
 from pipeline.payloads.values import MAX_MESSAGE_BYTES, decode, encode
 _REFUSALS = {1: TypeError, 2: ValueError}  # a rank's status in the size gather, when not 0
 

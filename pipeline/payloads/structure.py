@@ -20,23 +20,19 @@ import json
 import sys
 import types
 from collections import OrderedDict, defaultdict, namedtuple
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_int, expect,
+                                            load_document, short, type_name)
+
 FORMAT = 1  # the structure's format version, the first field of every structure
 MAX_STRUCTURE_BYTES = 1 << 20  # a structure's JSON text, at most (large data belongs in tensors)
-MAX_DEPTH = 64  # containers inside containers, at most
-MAX_INT_BITS = 256  # an int leaf's magnitude, at most
 MAX_NAME_CHARS = 512  # a class's "module:qualname", at most
 ALLOWED = "None, bool, int, float, complex and str (also in tuples, lists and dicts)"
-
-
-class StructureError(ValueError):
-    """Bytes from a peer that no sender of their format writes (a payload's structure, a value
-    shared by a collective): corrupt, truncated or hostile."""
 
 
 # Sending: a TreeSpec and its leaves -> JSON of plain data.
@@ -127,10 +123,7 @@ def _value(value: Any, path: str, depth: int, node: type | None) -> Any:
     if value is None or kind is bool or kind is str:
         return value
     if kind is int:
-        if value.bit_length() > MAX_INT_BITS:
-            raise ValueError(f"an int crossing ranks has at most {MAX_INT_BITS} bits, "
-                             f"{path} has {value.bit_length()}: send it as a tensor")
-        return value
+        return bounded_int(value, path)
     if kind is float:
         return {"float": value.hex()}
     if kind is complex:
@@ -201,17 +194,6 @@ def find_class(name: str) -> type | None:
             return None
         found = vars(found).get(part)
     return found if isinstance(found, type) else None
-
-
-def type_name(cls: type) -> str:
-    module = getattr(cls, "__module__", "")
-    qualname = getattr(cls, "__qualname__", repr(cls))
-    return qualname if module == "builtins" else f"{module}.{qualname}"
-
-
-def short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # Receiving: JSON from a peer -> the payload, every field checked.
@@ -356,48 +338,5 @@ def _read_float(text: Any) -> float:
                              f"{error}") from error
 
 
-def parse_int(text: str) -> int:
-    # Bounded before int() parses it (quadratic in the digits), then exactly.
-    value = int(text) if len(text) <= MAX_INT_BITS // 3 + 2 else None
-    if value is None or value.bit_length() > MAX_INT_BITS:
-        raise StructureError(f"expected an int of at most {MAX_INT_BITS} bits, got "
-                             f"{short(text)}")
-    return value
-
-
 def _refuse_number(text: str) -> Any:
     raise StructureError(f"expected floats as tagged float.hex() text, got the bare number {text}")
-
-
-def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        raise StructureError(f"expected distinct keys in a JSON object, got "
-                             f"{short([key for key, _ in pairs])}")
-    return result
-
-
-def load_document(data: bytes, what: str, keys: tuple[str, ...], version: int,
-                  parse_float: Callable[[str], Any],
-                  parse_constant: Callable[[str], Any]) -> dict[str, Any]:
-    """The JSON object a peer sent: UTF-8, ints bounded, keys distinct, exactly ``keys``
-    (the first one ``"format"``, equal to ``version``); a StructureError otherwise."""
-    try:
-        document = json.loads(data.decode("utf-8"), parse_int=parse_int,
-                              parse_float=parse_float, parse_constant=parse_constant,
-                              object_pairs_hook=unique_keys)
-    except StructureError:
-        raise
-    except (ValueError, RecursionError) as error:
-        raise StructureError(f"expected {what} in JSON: {error}") from error
-    named = f"{', '.join(keys[:-1])} and {keys[-1]}"
-    expect(type(document) is dict and set(document) == set(keys),
-           f"an object with keys {named}", document)
-    expect(document["format"] == version and type(document["format"]) is int,
-           f"format {version}", document["format"])
-    return cast(dict[str, Any], document)  # json.loads gives Any; checked a dict above
-
-
-def expect(condition: bool, expected: str, given: Any) -> None:
-    if not condition:
-        raise StructureError(f"expected {expected}, got {short(given)}")

@@ -18,12 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeline.payloads.structure import (
-    MAX_STRUCTURE_BYTES,
-    StructureError,
-    decode_structure,
-    encode_structure,
-)
+from pipeline.payloads.checked_json import StructureError
+from pipeline.payloads.structure import MAX_STRUCTURE_BYTES, decode_structure, encode_structure
 
 TENSOR, TUPLE, STRUCTURED = 0, 1, 2  # a payload's kind on the wire
 

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.payloads.structure import MAX_DEPTH, MAX_INT_BITS, StructureError, expect, load_document, \
-    short, type_name
+from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_int, expect,
+                                            load_document, short, type_name)
 
 FORMAT = 1  # the shared values' format version, the first field of every message
 MAX_JSON_BYTES = 1 << 28  # a message's JSON text, at most
@@ -104,10 +104,7 @@ def _encode(value: Any, path: str, depth: int, tensors: list[torch.Tensor]) -> A
     if value is None or kind in (bool, float, str):
         return value
     if kind is int:
-        if value.bit_length() > MAX_INT_BITS:
-            raise ValueError(f"an int crossing ranks has at most {MAX_INT_BITS} bits, "
-                             f"{path} has {value.bit_length()}")
-        return value
+        return bounded_int(value, path)
     if depth >= MAX_DEPTH:
         raise ValueError(f"a value crossing ranks may nest at most {MAX_DEPTH} containers, "
                          f"got more at {path}")

@@ -24,7 +24,7 @@ from partitioners import LayerCost
 from partitioners.plan import Candidate, Plan, plan
 from partitioners.plan_costs import linear_costs
 from pipeline.group.collectives import broadcast_object, gather_objects
-from pipeline.payloads.structure import MAX_DEPTH, StructureError
+from pipeline.payloads.checked_json import MAX_DEPTH, StructureError
 from pipeline.payloads.values import DTYPES, MAX_JSON_BYTES, crosses, decode, encode
 from pipeline.predict.fixed_bytes import FixedBytes
 from pipeline.predict.probe import ChunkCosts

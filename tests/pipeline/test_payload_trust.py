@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from dist_harness import run_ranks
 from pipeline import Pipe
-from pipeline.payloads.structure import MAX_DEPTH, MAX_STRUCTURE_BYTES, StructureError, decode_structure
+from pipeline.payloads.checked_json import MAX_DEPTH, StructureError
+from pipeline.payloads.structure import MAX_STRUCTURE_BYTES, decode_structure
 from pipeline.payloads.tree import STRUCTURED, from_wire, to_wire
 
 TOLERANCE = 1e-10
