@@ -19,6 +19,7 @@ from pipeline.compute.loss import loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
+from pipeline.group.collectives import union_total
 from pipeline.group.distributed import Distributed, resolve_distributed
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.model_like import ModelLike
@@ -77,10 +78,15 @@ class Pipe(ModelLike):
             memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
         distributed: how the pipeline runs across processes (``pipeline.Distributed``: the
             process group, a data-parallel group, the transport, ``init_fn``); None: one
-            process. ``group=``, ``data_group=``, ``transport=`` and ``init_fn=`` are
-            shorthands for its fields (one or the other, not both).
+            process. ``group=``, ``data_group=``, ``transport=``, ``init_fn=``,
+            ``data_parallel=`` and ``reshard_after_forward=`` are shorthands for its fields
+            (one or the other, not both).
         mesh: a ``DeviceMesh`` with dimensions named ``"pp"`` (the pipeline) and optionally
             ``"dp"`` (data-parallel replicas): ``Distributed.from_mesh``.
+        data_parallel: ``"replicate"`` (the default: replicas all-reduce their gradients)
+            or ``"fsdp"`` (FSDP2 shards each stage's layers over the replicas).
+        reshard_after_forward: with ``"fsdp"``, free gathered parameters after each
+            micro-batch's forward (less memory, more all-gathers).
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
@@ -112,9 +118,13 @@ class Pipe(ModelLike):
         sample_target: Any = None,
         distributed: Distributed | None = None,
         mesh: DeviceMesh | None = None,
+        data_parallel: str = "replicate",
+        reshard_after_forward: bool = False,
     ) -> None:
         settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
-                                       init_fn=init_fn, transport=transport)
+                                       init_fn=init_fn, transport=transport,
+                                       data_parallel=data_parallel,
+                                       reshard_after_forward=reshard_after_forward)
         group = None if settings is None else settings.group
         self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)
         # First, before anything that could raise on some ranks only.
@@ -276,7 +286,11 @@ class Pipe(ModelLike):
     def step(self, x: Any, target: Any, *, scaler: Any = None) -> torch.Tensor:
         """One training step: every forward and backward in the schedule's order.
 
-        Gradients accumulate into the model's parameters, as ``backward()`` would.
+        Gradients accumulate into the model's parameters, as ``backward()`` would. With
+        data-parallel replicas the step is the one of the union of the replicas' batches:
+        each micro-batch's loss is divided by the union's count (the rows, elements or
+        non-ignored targets the loss's mean divides by; a sum loss adds up), so that the
+        averaged gradients and the returned loss are the whole batch's.
 
         Args:
             x: the batch (a tensor, a tuple of tensors, or a list of pre-split
@@ -301,7 +315,7 @@ class Pipe(ModelLike):
         runner = self._ensure_runner(x)
         self._settle_timeline()
         assert self._loss_rule is not None
-        weights = self._loss_rule.weights(targets) if targets is not None else None
+        weights = self._weights(targets) if targets is not None else None
         scale = 1.0
         if scaler is not None and scaler.is_enabled():
             scaler.scale(torch.zeros((), device=self._devices[-1]))  # its scale, on our device
@@ -312,6 +326,17 @@ class Pipe(ModelLike):
         if scale != 1.0:
             self._ranks.share_overflow(self.parameters())
         return loss / scale if scale != 1.0 else loss
+
+    def _weights(self, targets: list[Any]) -> list[float]:
+        """Each micro-batch's loss factor; with replicas, over the union of their batches."""
+        assert self._loss_rule is not None
+        settings = self._distributed
+        if settings is None or settings.data_group is None:
+            return self._loss_rule.weights(targets)
+        replicas, total = union_total(self._loss_rule.total(targets), settings.data_group,
+                                      self.timeout, self._devices[-1])
+        # The replicas' gradients are averaged: weigh by their count to get the union's sum.
+        return [w * replicas for w in self._loss_rule.weights(targets, total or None)]
 
     def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
                 ) -> Timeline:

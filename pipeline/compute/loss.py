@@ -75,14 +75,40 @@ class LossFunctionError(ValueError):
 
 @dataclass(frozen=True)
 class LossRule:
-    """The per-micro-batch loss to run, and how to weight each micro-batch's result."""
+    """The per-micro-batch loss to run, and how to weight each micro-batch's result.
+
+    Attributes:
+        function: the loss of one micro-batch.
+        count: what one micro-batch's target counts toward the batch's denominator, or
+            None where the losses are sums (each weighs 1).
+        shares: the function returns a mean over what ``count`` counts (weights are
+            count / total); else a sum (weights are 1 / total).
+    """
 
     function: LossFn
-    count: Callable[[Sequence[Any]], list[float]]
+    count: Callable[[Any], float] | None
+    shares: bool = False
 
-    def weights(self, targets: Sequence[Any]) -> list[float]:
-        """One factor per micro-batch: its loss x factor, added up, is the batch loss."""
-        return self.count(targets)
+    def total(self, targets: Sequence[Any]) -> float:
+        """The batch's denominator (0 for sums, which have none)."""
+        return float(sum(self.count(t) for t in targets)) if self.count is not None else 0.0
+
+    def weights(self, targets: Sequence[Any], total: float | None = None) -> list[float]:
+        """One factor per micro-batch: its loss x factor, added up, is the batch loss.
+
+        ``total``: the denominator when ``targets`` are part of a larger batch (data-
+        parallel replicas: the sum of every replica's ``total``); default, theirs alone.
+        """
+        if self.count is None:
+            return [1.0] * len(targets)
+        counts = [self.count(t) for t in targets]
+        if total is None:
+            total = float(sum(counts))
+        if self.shares:
+            return [c / total for c in counts]
+        # A batch that counts nothing (all targets ignored) has a NaN mean, as in torch.
+        factor = 1.0 / total if total else float("nan")
+        return [factor] * len(counts)
 
 
 def loss_rule(loss_fn: LossFn | None, loss_count: CountFn | None = None) -> LossRule | None:
@@ -99,11 +125,10 @@ def loss_rule(loss_fn: LossFn | None, loss_count: CountFn | None = None) -> Loss
     if loss_count is not None:
         if not callable(loss_count):
             raise TypeError(f"loss_count must be callable, got {type(loss_count).__name__}")
-        return LossRule(loss_fn, lambda targets: _inverse_total(
-            [_as_float(loss_count(t), "loss_count") for t in targets]))
+        return LossRule(loss_fn, lambda target: _as_float(loss_count(target), "loss_count"))
     if isinstance(loss_fn, nn.modules.loss._Loss):
         return _module_rule(loss_fn)
-    return LossRule(loss_fn, _row_shares)
+    return LossRule(loss_fn, lambda target: float(batch_size(target)), shares=True)
 
 
 def _module_rule(module: nn.modules.loss._Loss) -> LossRule:
@@ -128,10 +153,7 @@ def _module_rule(module: nn.modules.loss._Loss) -> LossRule:
             f"mean divides by for that micro-batch>"
         )
     function = ModuleLoss(module, count)
-    if reduction == "sum" or count is None:
-        return LossRule(function, lambda targets: [1.0] * len(targets))
-    counted = count
-    return LossRule(function, lambda targets: _inverse_total([counted(t) for t in targets]))
+    return LossRule(function, None if reduction == "sum" else count)
 
 
 class ModuleLoss:
@@ -308,19 +330,6 @@ def _elements(target: Any) -> float:
         f"a loss module with reduction='mean' needs tensor targets to count their elements, "
         f"got {type(target).__name__}; pass loss_count=... to say what a micro-batch counts"
     )
-
-
-def _row_shares(targets: Sequence[Any]) -> list[float]:
-    return _inverse_total([batch_size(t) for t in targets], shares=True)
-
-
-def _inverse_total(counts: Sequence[float], shares: bool = False) -> list[float]:
-    total = float(sum(counts))
-    if shares:
-        return [c / total for c in counts]
-    # A batch that counts nothing (all targets ignored) has a NaN mean, as in torch.
-    factor = 1.0 / total if total else float("nan")
-    return [factor] * len(counts)
 
 
 def _as_float(value: Any, name: str) -> float:

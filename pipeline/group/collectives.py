@@ -42,6 +42,14 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float, w
     wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), what, group, timeout)
 
 
+def union_total(total: float, group: dist.ProcessGroup, timeout: float, device: torch.device
+                ) -> tuple[int, float]:
+    """The ranks of ``group`` and the sum of their ``total`` (a loss's denominator)."""
+    summed = torch.tensor([total], dtype=torch.float64, device=device)
+    all_reduce(summed, group, timeout, "adding up the replicas' loss counts")
+    return dist.get_world_size(group), float(summed[0])
+
+
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float, what: str
                ) -> list[torch.Tensor]:
     rows = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]

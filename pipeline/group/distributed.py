@@ -3,7 +3,8 @@
 ``Pipe(..., distributed=Distributed(group, data_group=...))`` says how a pipeline runs
 across processes; ``Pipe(..., mesh=init_device_mesh(..., mesh_dim_names=("pp", "dp")))``
 takes the groups from a device mesh; the separate keywords ``group=``, ``data_group=``,
-``transport=`` and ``init_fn=`` remain as shorthands.
+``transport=``, ``init_fn=``, ``data_parallel=`` and ``reshard_after_forward=`` remain as
+shorthands.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from pipeline.transports import TRANSPORTS
 
 
 MESH_DIMENSIONS = ("pp", "dp", "tp")
+DATA_PARALLEL = ("replicate", "fsdp")
+SHORTHAND_DEFAULTS: dict[str, Any] = {"transport": "auto", "data_parallel": "replicate",
+                                      "reshard_after_forward": False}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,15 @@ class Distributed:
         init_fn: with a model on the ``meta`` device, called on each local layer after it
             is materialised (default: ``reset_parameters`` where a layer has it).
         mesh: the device mesh the groups came from (``from_mesh``), else None.
+        data_parallel: how the replicas of ``data_group`` share a stage: ``"replicate"``
+            (each holds the whole stage; gradients all-reduced after each step) or
+            ``"fsdp"`` (each local layer sharded over the replicas by FSDP2's
+            ``fully_shard``: parameters all-gathered once per step and kept across the
+            micro-batches, gradients reduce-scattered once per step after the last
+            backward). Without a data group both mean no data parallelism.
+        reshard_after_forward: with ``"fsdp"``, free the gathered parameters after each
+            micro-batch's forward and gather them again for its backward: less memory,
+            two all-gathers per layer and micro-batch instead of one per step.
     """
 
     group: ProcessGroup
@@ -44,10 +57,14 @@ class Distributed:
     transport: str = "auto"
     init_fn: Callable[[nn.Module], None] | None = None
     mesh: DeviceMesh | None = None
+    data_parallel: str = "replicate"
+    reshard_after_forward: bool = False
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, transport: str = "auto",
-                  init_fn: Callable[[nn.Module], None] | None = None) -> Distributed:
+                  init_fn: Callable[[nn.Module], None] | None = None,
+                  data_parallel: str = "replicate",
+                  reshard_after_forward: bool = False) -> Distributed:
         """The pipeline along the mesh's ``"pp"`` dimension (each coordinate of the others is
         its own pipeline, sending to the same coordinate of the next stage), data-parallel
         replicas along ``"dp"`` (their gradients averaged after each step).
@@ -66,7 +83,16 @@ class Distributed:
                                       f"the mesh's 'tp' dimension must be 1, got "
                                       f"{mesh['tp'].size()}")
         data_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
-        return cls(mesh["pp"].get_group(), data_group, transport, init_fn, mesh)
+        return cls(mesh["pp"].get_group(), data_group, transport, init_fn, mesh, data_parallel,
+                   reshard_after_forward)
+
+    def data_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The one-dimensional mesh of ``data_group`` (FSDP2 shards over a mesh), or None."""
+        if self.data_group is None:
+            return None
+        if self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ()):
+            return self.mesh["dp"]
+        return DeviceMesh.from_group(self.data_group, device_type, mesh_dim_names=("dp",))
 
     @property
     def holders(self) -> ProcessGroup:
@@ -85,6 +111,12 @@ class Distributed:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; expected one of: "
                              f"{', '.join(TRANSPORTS)}")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise ValueError(f"unknown data_parallel {self.data_parallel!r}; expected one of: "
+                             f"{', '.join(DATA_PARALLEL)}")
+        if self.reshard_after_forward and self.data_parallel != "fsdp":
+            raise ValueError(f"reshard_after_forward=True applies to data_parallel='fsdp' only, "
+                             f"got data_parallel={self.data_parallel!r}")
 
 
 def resolve_distributed(distributed: Distributed | None, mesh: DeviceMesh | None = None,
@@ -97,7 +129,7 @@ def resolve_distributed(distributed: Distributed | None, mesh: DeviceMesh | None
             shorthand without ``group``.
     """
     given = {name: value for name, value in shorthands.items()
-             if value is not None and not (name == "transport" and value == "auto")}
+             if value is not None and value != SHORTHAND_DEFAULTS.get(name)}
     if distributed is not None:
         if given or mesh is not None:
             also = [*(["mesh"] if mesh is not None else []), *given]

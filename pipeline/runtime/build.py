@@ -11,6 +11,7 @@ from schedules import Schedule
 
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.group.distributed import Distributed
+from pipeline.runtime.data_parallel import Alone, DataParallel, FullyShard, Replicate
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
@@ -24,4 +25,16 @@ def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedul
         return LocalRunner(model, list(balance), schedule, list(devices), options, timeout)
     return DistRunner(model, list(balance), schedule, devices[0], options, timeout,
                       distributed.group, distributed.data_group, distributed.init_fn,
-                      distributed.transport)
+                      distributed.transport, _data_parallel(distributed, devices[0], timeout))
+
+
+def _data_parallel(distributed: Distributed, device: torch.device,
+                   timeout: float) -> DataParallel:
+    """How this stage's data-parallel replicas share it (``Distributed.data_parallel``)."""
+    if distributed.data_group is None:
+        return Alone(distributed.group)
+    if distributed.data_parallel == "fsdp":
+        mesh = distributed.data_mesh(device.type)
+        assert mesh is not None
+        return FullyShard(distributed.group, mesh, distributed.reshard_after_forward)
+    return Replicate(distributed.group, distributed.data_group, timeout)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from schedules import Event, Schedule, Timeline
 
@@ -19,6 +21,7 @@ from pipeline.compute.slicing import build_chunks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
+from pipeline.runtime.data_parallel import Alone, DataParallel, local_part
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
@@ -67,9 +70,11 @@ class DistRunner:
         data_group: dist.ProcessGroup | None,
         init_fn: Callable[[nn.Module], None] | None,
         transport: str = "auto",
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.group = group
         self.data_group = data_group
+        self.data_parallel = data_parallel if data_parallel is not None else Alone(group)
         self.schedule = schedule
         self.device = device
         self.stage = dist.get_rank(group)
@@ -84,6 +89,10 @@ class DistRunner:
         free_remote_layers(model, self.local_layers, self.shared)
         for c in schedule.chunks_of_stage[self.stage]:
             _materialise(nn.Sequential(*[model[i] for i in layers_of[c]]), device, init_fn)
+        now = self._shard()
+        self.synced = [replace(entry, parameter=None if entry.parameter is None
+                               else now[id(entry.parameter)]) for entry in self.synced]
+        owner_stage = {id(now[key]): stage for key, stage in owner_stage.items() if key in now}
         self.counted = [
             p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
         ]
@@ -113,12 +122,21 @@ class DistRunner:
         self.meter: StepMeter | None = None  # set one to account for each step's time
         self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
 
+    def _shard(self) -> dict[int, nn.Parameter]:
+        """Let the data-parallel replicas shard the local layers: ``id`` of each parameter
+        before -> the parameter that replaced it (itself, unsharded)."""
+        paths = {id(p): (index, name) for index in self.local_layers
+                 for name, p in self.model[index].named_parameters()}
+        self.data_parallel.shard([self.model[index] for index in self.local_layers])
+        return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
+
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The local layers' state; sharded entries whole (every replica must call it)."""
         return {
-            f"{index}.{name}": tensor
+            f"{index}.{name}": tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             for index in self.local_layers
             for name, tensor in self.model[index].state_dict().items()
         }
@@ -169,9 +187,11 @@ class DistRunner:
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
         state = StepState.set_aside(self.parameters(), self.chunks_modules())
+        self.data_parallel.begin_step()
         try:
             found = self._step(inputs, targets, weights)
         except BaseException as error:
+            self.data_parallel.abandon_step()
             state.restore(error)
             if isinstance(error, PeerError):
                 # Messages of this step may still be in flight: the group must not be reused.
@@ -204,8 +224,9 @@ class DistRunner:
         shared = time.perf_counter()
         loss = self._batch_loss(result.loss_known)
         timeline = self._gather_timeline(result.events, origin)
+        self.data_parallel.reduce_gradients(list(self.parameters()))
         self._sum_shared_gradients()
-        self._average_gradients(loss)
+        self._average_loss(loss)
         if self.meter is not None:
             end = time.perf_counter()
             self.meter.collective += end - shared
@@ -230,21 +251,19 @@ class DistRunner:
         for synced in self.synced:
             parameter = synced.parameter
             if parameter is not None and parameter.grad is not None:
-                grad = parameter.grad
-            else:
-                grad = torch.zeros(synced.shape, dtype=synced.dtype, device=self.device)
+                all_reduce(local_part(parameter.grad), self.group, self.timeout,
+                           "summing a shared parameter's gradient")
+                continue
+            shape = self.data_parallel.local_shape(synced.shape)
+            grad = torch.zeros(shape, dtype=synced.dtype, device=self.device)
             all_reduce(grad, self.group, self.timeout, "summing a shared parameter's gradient")
             if parameter is not None:
-                parameter.grad = grad
+                parameter.grad = _like(parameter, grad)
 
-    def _average_gradients(self, loss: torch.Tensor) -> None:
+    def _average_loss(self, loss: torch.Tensor) -> None:
         if self.data_group is None:
             return
         replicas = dist.get_world_size(self.data_group)
-        for parameter in self.parameters():
-            if parameter.grad is not None:
-                all_reduce(parameter.grad, self.data_group, self.timeout, "averaging gradients")
-                parameter.grad.div_(replicas)
         all_reduce(loss, self.data_group, self.timeout, "averaging the loss")
         loss.div_(replicas)
 
@@ -296,8 +315,12 @@ class DistRunner:
         step_inputs = StepInputs(
             None if inputs is None else [to_device(x, self.device) for x in inputs], None, ()
         )
-        with step_of(self.chunks.values(), schedule), torch.no_grad():
-            result = self._run(self.forward_plan, step_inputs, infer=True)
+        self.data_parallel.begin_forward_only()
+        try:
+            with step_of(self.chunks.values(), schedule), torch.no_grad():
+                result = self._run(self.forward_plan, step_inputs, infer=True)
+        finally:
+            self.data_parallel.after_forward_only()
         if self.stage != schedule.placement[-1]:
             return None
         return [result.outputs[m] for m in range(schedule.microbatches)]
@@ -319,18 +342,30 @@ class DistRunner:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.counted if p.grad is not None]
+        counted = [local_part(p.grad) for p in self.counted if p.grad is not None]
+        groups = self.data_parallel.norm_groups()  # together, every part counted once
         if norm_type == float("inf"):
-            local = max((g.abs().max() for g in counted), default=torch.zeros((), device=self.device))
+            local = max((g.abs().max() for g in counted if g.numel()),
+                        default=torch.zeros((), device=self.device))
             total = local.to(torch.float64).clone()
-            all_reduce(total, self.group, self.timeout, "clipping gradients", dist.ReduceOp.MAX)
+            for group in groups:
+                all_reduce(total, group, self.timeout, "clipping gradients", dist.ReduceOp.MAX)
         else:
             local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in counted),
                         torch.zeros((), dtype=torch.float64, device=self.device))
             total = local.clone()
-            all_reduce(total, self.group, self.timeout, "clipping gradients")
+            for group in groups:
+                all_reduce(total, group, self.timeout, "clipping gradients")
             total = total ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
-            grad.mul_(coefficient.to(grad.dtype))
+            local_part(grad).mul_(coefficient.to(grad.dtype))
         return total
+
+
+def _like(parameter: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient of ``parameter``: a DTensor shard where it is one."""
+    if isinstance(parameter, DTensor):
+        return DTensor.from_local(local, parameter.device_mesh, parameter.placements,
+                                  shape=parameter.shape, stride=parameter.stride())
+    return local

@@ -1,0 +1,261 @@
+"""How a stage's data-parallel replicas share it: whole copies that all-reduce, or FSDP2 shards.
+
+``DistRunner`` asks its ``DataParallel`` five things: to shard the stage's layers once
+they are materialised, to prepare each step, to reduce the step's gradients after the
+last backward (and the last W of a split backward), to drop a failed step's partial
+gradients and to free what a forward-only call gathered. ``Replicate`` is plain data parallelism; ``FullyShard`` uses
+``torch.distributed.fsdp.fully_shard``:
+
+- The units: each local layer, except that layers holding one parameter (a tied weight,
+  one block at several positions) form one unit, since FSDP2 shards a parameter once;
+  such a unit is gathered when the step begins (no hook of its own can).
+- Within a step a unit's parameters are all-gathered at its first forward and kept across
+  the micro-batches (``reshard_after_forward=False``, the default), and every backward
+  (I and W alike) accumulates into the gathered parameters without any reduction; after
+  the stage's last backward one reduce-scatter per unit averages the gradients over the
+  replicas into the sharded ``.grad`` and frees the gathered parameters. So a step costs
+  one all-gather and one reduce-scatter per unit, whatever the micro-batch count.
+- With ``reshard_after_forward=True`` a forward hook frees the gathered parameters after
+  each forward of the unit (FSDP2 never reshards a root after its forward by itself, and
+  every unit here is a root); FSDP2 gathers them again for the backward.
+
+FSDP2 has no public call for "reduce now" outside its own backward hooks, which fire
+per backward and before the W half of a split backward has accumulated anything; as
+torch.distributed.pipelining does, ``_reduce_now`` calls each parameter group's
+``post_backward`` and the root's final callback. Those, the lazy initialisation a held
+unit's forward would run, and dropping a failed step's gathered gradients are the
+places this module reaches into FSDP2's internals (checked by the mesh tests on every
+torch this project pins).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from pipeline.group.collectives import all_reduce
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds (a DTensor's local shard, else itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class DataParallel(Protocol):
+    """What a stage's replicas do together."""
+
+    def shard(self, layers: Sequence[nn.Module]) -> None: ...
+
+    def begin_step(self) -> None: ...
+
+    def begin_forward_only(self) -> None: ...
+
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None: ...
+
+    def abandon_step(self) -> None: ...
+
+    def after_forward_only(self) -> None: ...
+
+    def norm_groups(self) -> list[dist.ProcessGroup]: ...
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+
+class Alone:
+    """No replicas."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def shard(self, layers: Sequence[nn.Module]) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def begin_forward_only(self) -> None:
+        pass
+
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
+        pass
+
+    def abandon_step(self) -> None:
+        pass
+
+    def after_forward_only(self) -> None:
+        pass
+
+    def norm_groups(self) -> list[dist.ProcessGroup]:
+        """The groups whose ranks hold distinct parts of the gradients: the pipeline's."""
+        return [self.group]
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return shape
+
+
+class Replicate(Alone):
+    """Each replica holds the whole stage; gradients are averaged after each step."""
+
+    def __init__(self, group: dist.ProcessGroup, data_group: dist.ProcessGroup,
+                 timeout: float) -> None:
+        super().__init__(group)
+        self.data_group = data_group
+        self.timeout = timeout
+
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
+        replicas = dist.get_world_size(self.data_group)
+        for parameter in parameters:
+            if parameter.grad is not None:
+                all_reduce(parameter.grad, self.data_group, self.timeout, "averaging gradients")
+                parameter.grad.div_(replicas)
+
+
+class FullyShard(Alone):
+    """Each replica holds a 1/dp shard of every local layer (FSDP2), gathered per step."""
+
+    def __init__(self, group: dist.ProcessGroup, mesh: DeviceMesh,
+                 reshard_after_forward: bool) -> None:
+        super().__init__(group)
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.units: list[FSDPModule] = []
+        self.held: list[FSDPModule] = []  # units gathered by hand: layers sharing parameters
+
+    def shard(self, layers: Sequence[nn.Module]) -> None:
+        for modules in sharing_units(layers):
+            if len(modules) == 1:
+                fully_shard(modules[0], mesh=self.mesh, reshard_after_forward=False)
+                unit = _as_unit(modules[0])
+                if self.reshard_after_forward:
+                    modules[0].register_forward_hook(_resharding(unit))
+            else:
+                holder = _holder(modules)
+                fully_shard(holder, mesh=self.mesh, reshard_after_forward=False)
+                unit = _as_unit(holder)
+                self.held.append(unit)
+            self.units.append(unit)
+
+    def begin_forward_only(self) -> None:
+        for unit in self.held:
+            fully_shard.state(unit)._lazy_init()  # type: ignore[attr-defined]  # a forward's
+            unit.unshard()
+
+    def begin_step(self) -> None:
+        self.begin_forward_only()
+        for unit in self.units:
+            unit.set_requires_gradient_sync(False)
+            unit.set_reshard_after_backward(False)
+            unit.set_is_last_backward(False)
+
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
+        for unit in self.units:
+            unit.set_requires_gradient_sync(True)
+            unit.set_reshard_after_backward(True)
+            unit.set_is_last_backward(True)
+        _reduce_now(self.units)
+
+    def abandon_step(self) -> None:
+        """Drop the gathered parameters and whatever gradients they accumulated."""
+        for unit in self.units:
+            for group in _parameter_groups(unit):
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+            unit.reshard()
+
+    def after_forward_only(self) -> None:
+        for unit in self.units:
+            unit.reshard()
+
+    def norm_groups(self) -> list[dist.ProcessGroup]:
+        """The pipeline's group and the shards' group: every rank holds a distinct part."""
+        return [self.group, self.mesh.get_group()]
+
+    def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """This rank's shard of a tensor of ``shape`` (FSDP2 cuts dim 0 as ``torch.chunk``)."""
+        if not shape:
+            return shape
+        replicas, coordinate = self.mesh.size(), self.mesh.get_local_rank()
+        per_rank = -(-shape[0] // replicas)
+        start = min(shape[0], coordinate * per_rank)
+        return (min(shape[0], start + per_rank) - start, *shape[1:])
+
+
+def sharing_units(layers: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """``layers`` grouped so that layers holding a common parameter are one group, in order.
+
+    A module object that appears twice, or inside another layer, is kept once (the outer).
+    """
+    distinct: list[nn.Module] = []
+    for layer in layers:
+        if not any(layer is other or _contains(other, layer) for other in distinct):
+            distinct = [other for other in distinct if not _contains(layer, other)] + [layer]
+    owner: dict[int, int] = {}  # parameter id -> group index
+    groups: list[list[nn.Module]] = []
+    for layer in distinct:
+        joined = {owner[id(p)] for p in layer.parameters() if id(p) in owner}
+        target = min(joined) if joined else len(groups)
+        if not joined:
+            groups.append([])
+        for other in sorted(joined - {target}, reverse=True):
+            groups[target] += groups[other]
+            groups[other] = []
+        groups[target].append(layer)
+        for module in groups[target]:
+            for parameter in module.parameters():
+                owner[id(parameter)] = target
+    return [group for group in groups if group and any(True for _ in _params(group))]
+
+
+def _params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for module in modules for p in module.parameters()]
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return outer is not inner and any(module is inner for module in outer.modules())
+
+
+def _holder(modules: Sequence[nn.Module]) -> nn.Module:
+    """One module above ``modules`` (layers sharing a parameter), for FSDP2 to shard as one.
+
+    FSDP2 lets a unit of several modules be no root, and every unit here is one; so the
+    holder is the unit. Its forward never runs, so no hook gathers it: the runner gathers
+    it before each call (``unshard``) and ``_reduce_now`` frees it.
+    """
+    holder = nn.Module()
+    for position, module in enumerate(modules):
+        holder.add_module(str(position), module)
+    return holder
+
+
+def _resharding(unit: FSDPModule):  # type: ignore[no-untyped-def]
+    def reshard(module: nn.Module, inputs: object, outputs: object) -> None:
+        unit.reshard()
+    return reshard
+
+
+def _as_unit(module: nn.Module) -> FSDPModule:
+    assert isinstance(module, FSDPModule)
+    return module
+
+
+def _parameter_groups(unit: FSDPModule) -> list:  # type: ignore[type-arg]
+    state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    return list(state._fsdp_param_groups)
+
+
+def _reduce_now(units: Sequence[FSDPModule]) -> None:
+    """Reduce-scatter every unit's accumulated gradients and free its gathered parameters."""
+    for unit in units:
+        state = fully_shard.state(unit)  # type: ignore[attr-defined]
+        for group in reversed(state._fsdp_param_groups):
+            group.post_backward()
+        state._root_post_backward_final_callback()

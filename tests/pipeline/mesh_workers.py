@@ -1,0 +1,247 @@
+"""Functions that run inside spawned gloo ranks for the 3D-mesh tests (importable by name).
+
+Each builds a device mesh over the ranks, a Pipe on it (FSDP2 or replicated data
+parallelism along ``"dp"``) and returns plain numbers: errors against the unpipelined
+model on the union of the replicas' batches, bytes held, collectives counted.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import zoo
+
+CHUNKS = 4
+SEED = 1234
+# Layers per model chunk (6 layers: embedding, 3 blocks, norm, tied head) for 2 or 4
+# chunks: the head is on another stage than the embedding, except under a V schedule
+# on 2 stages, whose first stage runs both ends (one FSDP unit then holds both).
+BALANCES = {1: [6], 2: [3, 3], 4: [2, 1, 1, 2], 8: [1, 1, 1, 0, 0, 1, 1, 1]}
+
+
+def balance_for(schedule: str, stages: int) -> list[int]:
+    from schedules import get_schedule
+
+    return BALANCES[get_schedule(schedule, stages, CHUNKS).chunks]
+
+
+def mesh_of(shape: Sequence[int]) -> DeviceMesh:
+    names = ("pp", "dp", "tp")[: len(shape)]
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+
+
+def replica_batch(mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's rows of the union batch (every replica's the same size)."""
+    x, y = union_batch(mesh)
+    replicas = mesh["dp"].size() if "dp" in (mesh.mesh_dim_names or ()) else 1
+    coordinate = mesh.get_local_rank("dp") if replicas > 1 else 0
+    rows = x.shape[0] // replicas
+    return x[coordinate * rows:(coordinate + 1) * rows], y[coordinate * rows:(coordinate + 1) * rows]
+
+
+def union_batch(mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    replicas = mesh["dp"].size() if "dp" in (mesh.mesh_dim_names or ()) else 1
+    return zoo.gpt_batch(rows=zoo.GPT_ROWS * replicas)
+
+
+def full_grads(model: nn.Sequential) -> dict[str, torch.Tensor]:
+    """This rank's gradients by per-layer key, sharded ones gathered (replicas call alike)."""
+    found = {}
+    for key, parameter in zoo.per_layer_parameters(model).items():
+        if parameter.is_meta:
+            continue
+        grad = parameter.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        found[key] = grad if grad is not None else torch.full_like(_full(parameter), float("nan"))
+    return found
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def worst(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max((zoo.difference(found[key], expected[key]) for key in found), default=float("inf"))
+
+
+def gpt_exact(rank: int, world: int, shape: Sequence[int], schedules: Sequence[str],
+              modes: Sequence[str], data_parallel: str, reshard_after_forward: bool = False
+              ) -> list[tuple[str, str, float, float, int]]:
+    """Loss and gradient errors against the unpipelined GPT on the union batch, per
+    schedule x checkpoint mode: (schedule, mode, loss error, gradient error, compared).
+    (A model with dropout has no unpipelined twin: ``random_equal`` compares FSDP with
+    replicas under one seed.)"""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of(shape)
+    model = zoo.tiny_gpt()
+    expected_loss, expected = zoo.reference_grads(model, *union_batch(mesh), zoo.gpt_loss())
+    x, y = replica_batch(mesh)
+    rows = []
+    for schedule in schedules:
+        for mode in modes:
+            trained = copy.deepcopy(model)
+            pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
+                        checkpoint=mode, loss_fn=zoo.gpt_loss(), mesh=mesh,
+                        data_parallel=data_parallel,
+                        reshard_after_forward=reshard_after_forward, timeout=30.0)
+            loss = float(pipe.step(x, y))
+            found = full_grads(trained)
+            rows.append((schedule, mode, abs(loss - expected_loss), worst(found, expected),
+                         len(found)))
+            pipe.close()
+    return rows
+
+
+def random_equal(rank: int, world: int, shape: Sequence[int], schedule: str) -> float:
+    """Dropout and stochastic depth under one seed: FSDP's gradients equal the replicated
+    pipeline's (the largest difference)."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of(shape)
+    model = zoo.tiny_gpt(drop_path=0.1, dropout=0.1)
+    x, y = replica_batch(mesh)
+    found = []
+    for data_parallel in ("replicate", "fsdp"):
+        trained = copy.deepcopy(model)
+        pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
+                    loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel, timeout=30.0)
+        torch.manual_seed(SEED)
+        pipe.step(x, y)
+        found.append(full_grads(trained))
+        pipe.close()
+    return worst(found[1], found[0])
+
+
+def sharded_units(pipe: Any) -> int:
+    """FSDP units on this rank (a layer, or layers sharing a parameter)."""
+    return len(pipe._runner.data_parallel.units)
+
+
+def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int, dict[str, int]]:
+    """One profiled step (after a first one) of the GPT on (pp, dp) = (2, 2) under FSDP: this
+    rank's units and how many all-gathers and reduce-scatters FSDP2 ran, per kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, 2))
+    x, y = replica_batch(mesh)
+    pipe = Pipe(zoo.tiny_gpt(), CHUNKS, balance=BALANCES[2], schedule="1f1b",
+                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel="fsdp",
+                reshard_after_forward=reshard_after_forward, timeout=30.0)
+    pipe.step(x, y)
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        pipe.step(x, y)
+    names = [event.name for event in profiled.events()]
+    counted = {
+        "all_gather": sum(1 for name in names if name == "FSDP::all_gather"),
+        "reduce_scatter": sum(1 for name in names if name.startswith("FSDP::post_backward_reduce")),
+    }
+    units = sharded_units(pipe)
+    pipe.close()
+    return units, counted
+
+
+def state_bytes(rank: int, world: int) -> dict[str, int]:
+    """Bytes of parameters, gradients and Adam state a rank holds after a step of a one-stage
+    pipeline over 4 replicas, replicated and under FSDP."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((1, 4))
+    torch.manual_seed(0)
+    layers = [module for _ in range(4) for module in (nn.Linear(32, 32), nn.ReLU())]
+    model = nn.Sequential(*layers).to(torch.float64)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    held = {}
+    for data_parallel in ("replicate", "fsdp"):
+        pipe = Pipe(copy.deepcopy(model), 2, loss_fn=nn.MSELoss(), mesh=mesh,
+                    data_parallel=data_parallel)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+        pipe.step(x, x)
+        optimizer.step()
+        tensors = [t for p in pipe.parameters() for t in (p, p.grad)
+                   if t is not None]
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor)]
+        held[data_parallel] = sum(_local(t).nbytes for t in tensors)
+        pipe.close()
+    return held
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def habits(rank: int, world: int) -> dict[str, float]:
+    """What users do with a sharded GPT on (pp, dp) = (2, 2), each against the unpipelined
+    model on the union of the replicas' batches (largest differences):
+
+    - ``accumulated``: two steps without ``zero_grad``: the sum of both batches' gradients.
+    - ``norm`` / ``clipped``: ``clip_grad_norm_`` after them: the plain model's total norm
+      and its clipped gradients.
+    - ``inference``: ``pipe(x)`` on the last stage: the plain model's output; and
+      ``gathered_after`` counts the parameters still gathered afterwards (none).
+    - ``held``: the share of its stage's parameter elements this rank holds.
+    """
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, 2))
+    model = zoo.tiny_gpt()
+    plain = copy.deepcopy(model)
+    batches = [zoo.gpt_batch(rows=2 * zoo.GPT_ROWS, seed=seed) for seed in (1, 2)]
+    for x, y in batches:
+        zoo.gpt_loss()(plain(x), y).backward()
+    accumulated = {key: p.grad.clone() for key, p in zoo.per_layer_parameters(plain).items()}
+    norm = float(nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
+    clipped = zoo.per_layer_grads(plain)
+
+    pipe = Pipe(model, CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(), mesh=mesh,
+                data_parallel="fsdp", timeout=30.0)
+    coordinate = mesh.get_local_rank("dp")
+    for x, y in batches:
+        pipe.step(x[coordinate * zoo.GPT_ROWS:(coordinate + 1) * zoo.GPT_ROWS],
+                  y[coordinate * zoo.GPT_ROWS:(coordinate + 1) * zoo.GPT_ROWS])
+    found: dict[str, float] = {"accumulated": worst(full_grads(model), accumulated)}
+    found["norm"] = abs(float(pipe.clip_grad_norm_(0.5)) - norm)
+    found["clipped"] = worst(full_grads(model), clipped)
+    x = batches[0][0]
+    with torch.no_grad():
+        output = pipe(x)
+        last = pipe.schedule.placement[-1] == mesh.get_local_rank("pp")
+        found["inference"] = zoo.difference(output, plain(x)) if last else 0.0
+    found["gathered_after"] = sum(1 for p in pipe.parameters() if not isinstance(p, DTensor))
+    full = sum(_full(p).numel() for p in pipe.parameters())
+    found["held"] = sum(_local(p).numel() for p in pipe.parameters()) / full
+    pipe.close()
+    return found
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """What the Pipe says to data-parallel options it cannot honour."""
+    from pipeline import Pipe
+
+    mesh = mesh_of((2, 2))
+    said = []
+    for options in ({"data_parallel": "zero"},
+                    {"data_parallel": "replicate", "reshard_after_forward": True}):
+        try:
+            Pipe(zoo.tiny_gpt(), CHUNKS, loss_fn=zoo.gpt_loss(), mesh=mesh, **options)
+            said.append("accepted")
+        except ValueError as error:
+            said.append(str(error))
+    return said
