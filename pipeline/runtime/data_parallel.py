@@ -31,6 +31,7 @@ torch this project pins).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,6 +42,27 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from pipeline.group.collectives import all_reduce
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a stage's replicas hold it, for ``Pipe.predict`` and the planner.
+
+    Attributes:
+        replicas: ranks holding this stage (1 without data parallelism).
+        sharded: FSDP2 (parameters, gradients and optimizer state 1/replicas each between
+            steps; gathered parameters and unsharded gradients within one).
+        reshard_after_forward: gathered parameters freed after each forward.
+        units: the FSDP units' parameter counts on this rank (whole, not sharded).
+    """
+
+    replicas: int = 1
+    sharded: bool = False
+    reshard_after_forward: bool = False
+    units: tuple[int, ...] = ()
+
+
+NOT_SHARDED = Sharding()
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,6 +88,9 @@ class DataParallel(Protocol):
     def norm_groups(self) -> list[dist.ProcessGroup]: ...
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    @property
+    def sharding(self) -> Sharding: ...
 
 
 class Alone:
@@ -99,6 +124,10 @@ class Alone:
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
 
+    @property
+    def sharding(self) -> Sharding:
+        return NOT_SHARDED
+
 
 class Replicate(Alone):
     """Each replica holds the whole stage; gradients are averaged after each step."""
@@ -108,6 +137,10 @@ class Replicate(Alone):
         super().__init__(group)
         self.data_group = data_group
         self.timeout = timeout
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding(replicas=dist.get_world_size(self.data_group))
 
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
         replicas = dist.get_world_size(self.data_group)
@@ -174,6 +207,12 @@ class FullyShard(Alone):
     def after_forward_only(self) -> None:
         for unit in self.units:
             unit.reshard()
+
+    @property
+    def sharding(self) -> Sharding:
+        return Sharding(self.mesh.size(), True, self.reshard_after_forward,
+                        tuple(sum(p.numel() for p in unit.parameters())  # type: ignore[attr-defined]
+                              for unit in self.units))
 
     def norm_groups(self) -> list[dist.ProcessGroup]:
         """The pipeline's group and the shards' group: every rank holds a distinct part."""

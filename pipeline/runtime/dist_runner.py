@@ -21,7 +21,7 @@ from pipeline.compute.slicing import build_chunks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
-from pipeline.runtime.data_parallel import Alone, DataParallel, local_part
+from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
@@ -129,6 +129,10 @@ class DistRunner:
                  for name, p in self.model[index].named_parameters()}
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
+
+    @property
+    def sharding(self) -> Sharding:
+        return self.data_parallel.sharding
 
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())

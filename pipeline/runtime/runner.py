@@ -16,6 +16,7 @@ from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.recompute import step_seed
 from pipeline.group.hops import HopModel
 from pipeline.payloads.tree import differentiable, flatten
+from pipeline.runtime.data_parallel import Sharding
 from pipeline.runtime.executor import StagePlan, StageResult
 
 
@@ -59,6 +60,8 @@ class Runner(Protocol):
         local_layers: the model's layers this process runs (all of them in one process).
         memory: per local stage, the activation memory of the last step (with
             ``memory_report``; else empty).
+        sharding: how this stage's data-parallel replicas hold it (``NOT_SHARDED`` in one
+            process).
     """
 
     schedule: Schedule
@@ -66,6 +69,9 @@ class Runner(Protocol):
     hops: HopModel
     local_layers: list[int]
     memory: tuple[MemoryReport, ...]
+
+    @property
+    def sharding(self) -> Sharding: ...
 
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
