@@ -25,16 +25,18 @@ def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedul
         return LocalRunner(model, list(balance), schedule, list(devices), options, timeout)
     return DistRunner(model, list(balance), schedule, devices[0], options, timeout,
                       distributed.group, distributed.data_group, distributed.init_fn,
-                      distributed.transport, _data_parallel(distributed, devices[0], timeout))
+                      distributed.transport, _data_parallel(distributed, devices[0], timeout,
+                                                     bool(schedule.split_backward)))
 
 
 def _data_parallel(distributed: Distributed, device: torch.device,
-                   timeout: float) -> DataParallel:
+                   timeout: float, split_backward: bool) -> DataParallel:
     """How this stage's data-parallel replicas share it (``Distributed.data_parallel``)."""
     if distributed.data_group is None:
         return Alone(distributed.group)
     if distributed.data_parallel == "fsdp":
         mesh = distributed.data_mesh(device.type)
         assert mesh is not None
-        return FullyShard(distributed.group, mesh, distributed.reshard_after_forward)
+        return FullyShard(distributed.group, mesh, distributed.reshard_after_forward,
+                          split_backward)
     return Replicate(distributed.group, distributed.data_group, timeout)

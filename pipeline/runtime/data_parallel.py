@@ -17,7 +17,9 @@ gradients and to free what a forward-only call gathered. ``Replicate`` is plain 
   one all-gather and one reduce-scatter per unit, whatever the micro-batch count.
 - With ``reshard_after_forward=True`` a forward hook frees the gathered parameters after
   each forward of the unit (FSDP2 never reshards a root after its forward by itself, and
-  every unit here is a root); FSDP2 gathers them again for the backward.
+  every unit here is a root); FSDP2 gathers them again for the backward and, unless the
+  schedule splits backwards (a W may still read them), frees them after it. Gradients
+  accumulate unsharded either way until the step's one reduce-scatter.
 
 FSDP2 has no public call for "reduce now" outside its own backward hooks, which fire
 per backward and before the W half of a split backward has accumulated anything; as
@@ -154,10 +156,13 @@ class FullyShard(Alone):
     """Each replica holds a 1/dp shard of every local layer (FSDP2), gathered per step."""
 
     def __init__(self, group: dist.ProcessGroup, mesh: DeviceMesh,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, split_backward: bool = False) -> None:
         super().__init__(group)
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        # After a whole backward the unit's gathered parameters are done with until its next
+        # forward; after an I, the W to come may still read them.
+        self.reshard_after_backward = reshard_after_forward and not split_backward
         self.units: list[FSDPModule] = []
         self.held: list[FSDPModule] = []  # units gathered by hand: layers sharing parameters
 
@@ -184,7 +189,7 @@ class FullyShard(Alone):
         self.begin_forward_only()
         for unit in self.units:
             unit.set_requires_gradient_sync(False)
-            unit.set_reshard_after_backward(False)
+            unit.set_reshard_after_backward(self.reshard_after_backward)
             unit.set_is_last_backward(False)
 
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:

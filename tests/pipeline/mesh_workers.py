@@ -131,7 +131,10 @@ def sharded_units(pipe: Any) -> int:
 
 def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int, dict[str, int]]:
     """One profiled step (after a first one) of the GPT on (pp, dp) = (2, 2) under FSDP: this
-    rank's units and how many all-gathers and reduce-scatters FSDP2 ran, per kind."""
+    rank's units and how many all-gathers and reduce-scatters FSDP2 ran, per kind.
+    Gathered once per step, even with every micro-batch recomputed; resharded after each
+    forward (without recomputation, whose forward would gather a third time), twice per
+    micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
     from pipeline import Pipe
@@ -140,6 +143,7 @@ def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int
     mesh = mesh_of((2, 2))
     x, y = replica_batch(mesh)
     pipe = Pipe(zoo.tiny_gpt(), CHUNKS, balance=BALANCES[2], schedule="1f1b",
+                checkpoint="never" if reshard_after_forward else "always",
                 loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel="fsdp",
                 reshard_after_forward=reshard_after_forward, timeout=30.0)
     pipe.step(x, y)
