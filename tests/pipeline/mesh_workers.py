@@ -249,3 +249,88 @@ def refusals(rank: int, world: int) -> list[str]:
         except ValueError as error:
             said.append(str(error))
     return said
+
+
+# -- resuming a sharded checkpoint on other layouts ------------------------------------------
+
+STEPS_BEFORE_SAVE = 3
+STEPS_AFTER_LOAD = 3
+REPLICAS_THAT_SAVE = 2  # the checkpoint is written on (pp, dp) = (2, 2)
+
+
+def step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union batch of training step ``step`` (every layout trains on the same one)."""
+    return zoo.gpt_batch(rows=zoo.GPT_ROWS * REPLICAS_THAT_SAVE, seed=100 + step)
+
+
+def adam(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(parameters, lr=0.01)
+
+
+def reference_parameters(steps: int) -> dict[str, torch.Tensor]:
+    """The unpipelined GPT after ``steps`` uninterrupted Adam steps on the union batches."""
+    model = zoo.tiny_gpt()
+    optimizer = adam(model.parameters())
+    for step in range(steps):
+        x, y = step_batch(step)
+        optimizer.zero_grad()
+        zoo.gpt_loss()(model(x), y).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def held_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters by model name, sharded ones whole (replicas call alike)."""
+    return {name: _full(p).detach().clone()
+            for name, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+
+
+def train_mesh_pipe(pipe: Any, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
+                    steps: range) -> None:
+    """Each replica trains on its rows of each step's union batch."""
+    names = mesh.mesh_dim_names or ()
+    replicas = mesh["dp"].size() if "dp" in names else 1
+    coordinate = mesh.get_local_rank("dp") if replicas > 1 else 0
+    for step in steps:
+        x, y = step_batch(step)
+        rows = x.shape[0] // replicas
+        part = slice(coordinate * rows, (coordinate + 1) * rows)
+        optimizer.zero_grad()
+        pipe.step(x[part], y[part])
+        optimizer.step()
+
+
+def sharded_save(rank: int, world: int, directory: str) -> tuple[int, int]:
+    """Train the GPT 3 steps on (pp, dp) = (2, 2) under FSDP with Adam and save; how many
+    parameters this rank holds sharded, of how many."""
+    from pipeline import Pipe, save_checkpoint
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, REPLICAS_THAT_SAVE))
+    pipe = Pipe(zoo.tiny_gpt(), CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
+                mesh=mesh, data_parallel="fsdp", timeout=30.0)
+    optimizer = adam(pipe.parameters())
+    train_mesh_pipe(pipe, optimizer, mesh, range(STEPS_BEFORE_SAVE))
+    save_checkpoint(pipe, optimizer, directory, STEPS_BEFORE_SAVE)
+    held = list(pipe.parameters())
+    pipe.close()
+    return sum(1 for p in held if isinstance(p, DTensor)), len(held)
+
+
+def sharded_resume(rank: int, world: int, directory: str, shape: Sequence[int],
+                   data_parallel: str) -> tuple[int, float, int]:
+    """Load the checkpoint on ``shape``, train 3 more steps: the saved step, the largest
+    difference from 6 uninterrupted plain steps, and the parameters compared."""
+    from pipeline import Pipe, load_checkpoint
+
+    torch.set_num_threads(1)
+    mesh = mesh_of(shape)
+    pipe = Pipe(zoo.tiny_gpt(seed=99), CHUNKS, balance=BALANCES[shape[0]],
+                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel, timeout=30.0)
+    optimizer = adam(pipe.parameters())
+    step = load_checkpoint(pipe, optimizer, directory)
+    train_mesh_pipe(pipe, optimizer, mesh, range(step, step + STEPS_AFTER_LOAD))
+    found = held_parameters(pipe.model)
+    expected = reference_parameters(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
+    pipe.close()
+    return step, max(zoo.difference(found[k], expected[k]) for k in found), len(found)

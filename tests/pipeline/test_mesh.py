@@ -10,10 +10,30 @@ reduce-scatter it once per step; and keep the habits of a training loop exact.
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+import zoo
 from dist_harness import run_ranks
-from mesh_workers import collectives, gpt_exact, habits, random_equal, refusals, state_bytes
+from mesh_workers import (
+    CHUNKS,
+    STEPS_AFTER_LOAD,
+    STEPS_BEFORE_SAVE,
+    adam,
+    collectives,
+    gpt_exact,
+    habits,
+    held_parameters,
+    random_equal,
+    reference_parameters,
+    refusals,
+    sharded_resume,
+    sharded_save,
+    state_bytes,
+    step_batch,
+)
 
 EXACT = 1e-10
 SPLIT_AND_NOT = ("1f1b", "zb-h1", "zb-v")
@@ -78,3 +98,50 @@ def test_unknown_data_parallelism_is_refused_by_name() -> None:
             "reshard_after_forward=True applies to data_parallel='fsdp' only, got "
             "data_parallel='replicate'",
         ]
+
+
+# -- a sharded checkpoint resumes on other layouts -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("sharded") / "checkpoint"
+    for sharded, held in run_ranks(sharded_save, 4, str(directory)):
+        assert sharded == held > 0
+    return directory
+
+
+@pytest.mark.parametrize("shape, data_parallel", [((4, 1), "replicate"), ((2, 2), "fsdp")])
+def test_a_sharded_checkpoint_resumes_on_ranks_exactly(
+        sharded_checkpoint: Path, shape: tuple[int, int], data_parallel: str) -> None:
+    for step, error, compared in run_ranks(sharded_resume, 4, str(sharded_checkpoint), shape,
+                                           data_parallel):
+        assert step == STEPS_BEFORE_SAVE
+        assert error < EXACT and compared > 0
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process_and_unpipelined(
+        sharded_checkpoint: Path) -> None:
+    from pipeline import Pipe, load_checkpoint, load_into_model
+
+    torch.set_num_threads(1)
+    expected = reference_parameters(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
+    one_stage = Pipe(zoo.tiny_gpt(seed=99), CHUNKS, devices=["cpu"], loss_fn=zoo.gpt_loss())
+    plain = zoo.tiny_gpt(seed=98)
+    for model, optimizer, load in (
+        (one_stage.model, adam(one_stage.parameters()), load_checkpoint),
+        (plain, adam(plain.parameters()), load_into_model),
+    ):
+        target = one_stage if load is load_checkpoint else plain
+        assert load(target, optimizer, sharded_checkpoint) == STEPS_BEFORE_SAVE
+        for step in range(STEPS_BEFORE_SAVE, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD):
+            x, y = step_batch(step)
+            optimizer.zero_grad()
+            if target is one_stage:
+                one_stage.step(x, y)
+            else:
+                zoo.gpt_loss()(plain(x), y).backward()
+            optimizer.step()
+        found = held_parameters(model)
+        assert sorted(found) == sorted(expected)
+        assert max(zoo.difference(found[k], expected[k]) for k in found) < EXACT
