@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 IGNORE_INDEX = -100  # targets with this value (padding) take no part in the loss
 
@@ -48,25 +50,32 @@ class Embed(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention in which position t sees positions 0..t only."""
+    """Multi-head self-attention in which position t sees positions 0..t only.
+
+    The forward takes the head count from the projections' outputs, so that under tensor
+    parallelism (``tensor_parallel_plan``: query, key and value split by columns, the
+    output projection by rows) each rank computes its own heads.
+    """
 
     def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={dim}, heads={heads}")
         self.heads = heads
+        self.head_dim = dim // heads
         self.dropout = dropout
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
         self.projection = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2)
-                   for t in (q, k, v))
+        batch, seq, _ = x.shape
+        q, k, v = (projection(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for projection in (self.query, self.key, self.value))
         p = self.dropout if self.training else 0.0
         mixed = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.projection(mixed.transpose(1, 2).reshape(batch, seq, dim))
+        return self.projection(mixed.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -125,6 +134,32 @@ def gpt(
             nn.init.zeros_(module.bias)
     head.weight = embed.token.weight  # tied: the same Parameter object
     return model
+
+
+def tensor_parallel_plan(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism for ``Pipe(..., tensor_parallel=...)``: in each
+    ``Block``, attention heads and the MLP's hidden units split across ``tp_mesh`` (query,
+    key, value and the MLP's first Linear by columns, the projections back by rows, one
+    all-reduce each in forward and backward); embeddings, norms and the tied head stay
+    whole on every rank. Between blocks the stream is a plain, replicated tensor.
+
+    Raises:
+        ValueError: a block whose heads do not divide among the ranks.
+    """
+    if not isinstance(layer, Block):
+        return
+    ranks = tp_mesh.size()
+    if layer.attention.heads % ranks:
+        raise ValueError(f"tensor parallelism over {ranks} ranks needs a head count divisible "
+                         f"by it, got {layer.attention.heads} heads")
+    parallelize_module(layer, tp_mesh, {
+        "attention.query": ColwiseParallel(),
+        "attention.key": ColwiseParallel(),
+        "attention.value": ColwiseParallel(),
+        "attention.projection": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    })
 
 
 class LanguageModelLoss(nn.CrossEntropyLoss):

@@ -79,7 +79,8 @@ class Pipe(ModelLike):
         distributed: how the pipeline runs across processes (``pipeline.Distributed``: the
             process group, a data-parallel group, the transport, ``init_fn``); None: one
             process. ``group=``, ``data_group=``, ``transport=``, ``init_fn=``,
-            ``data_parallel=`` and ``reshard_after_forward=`` are shorthands for its fields
+            ``data_parallel=``, ``reshard_after_forward=`` and ``tensor_parallel=`` are
+            shorthands for its fields
             (one or the other, not both).
         mesh: a ``DeviceMesh`` with dimensions named ``"pp"`` (the pipeline) and optionally
             ``"dp"`` (data-parallel replicas): ``Distributed.from_mesh``.
@@ -87,6 +88,8 @@ class Pipe(ModelLike):
             or ``"fsdp"`` (FSDP2 shards each stage's layers over the replicas).
         reshard_after_forward: with ``"fsdp"``, free gathered parameters after each
             micro-batch's forward (less memory, more all-gathers).
+        tensor_parallel: ``fn(layer, tp_mesh)`` that splits a layer across the mesh's
+            ``"tp"`` dimension (e.g. ``examples/gpt.py``'s ``tensor_parallel_plan``).
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
@@ -120,11 +123,13 @@ class Pipe(ModelLike):
         mesh: DeviceMesh | None = None,
         data_parallel: str = "replicate",
         reshard_after_forward: bool = False,
+        tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None,
     ) -> None:
         settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
                                        init_fn=init_fn, transport=transport,
                                        data_parallel=data_parallel,
-                                       reshard_after_forward=reshard_after_forward)
+                                       reshard_after_forward=reshard_after_forward,
+                                       tensor_parallel=tensor_parallel)
         group = None if settings is None else settings.group
         self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)
         # First, before anything that could raise on some ranks only.

@@ -25,6 +25,7 @@ MESH_DIMENSIONS = ("pp", "dp", "tp")
 DATA_PARALLEL = ("replicate", "fsdp")
 SHORTHAND_DEFAULTS: dict[str, Any] = {"transport": "auto", "data_parallel": "replicate",
                                       "reshard_after_forward": False}
+TensorParallel = Callable[[nn.Module, DeviceMesh], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,10 @@ class Distributed:
         reshard_after_forward: with ``"fsdp"``, free the gathered parameters after each
             micro-batch's forward and gather them again for its backward: less memory,
             two all-gathers per layer and micro-batch instead of one per step.
+        tensor_parallel: ``fn(layer, tp_mesh)``, called on each local layer once it is
+            materialised (before FSDP shards it), parallelizes it over the mesh's
+            ``"tp"`` dimension (e.g. ``parallelize_module`` with a Colwise/Rowwise plan;
+            ``examples/gpt.py`` has one). Needs a mesh with a ``"tp"`` dimension.
     """
 
     group: ProcessGroup
@@ -59,32 +64,45 @@ class Distributed:
     mesh: DeviceMesh | None = None
     data_parallel: str = "replicate"
     reshard_after_forward: bool = False
+    tensor_parallel: TensorParallel | None = None
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, transport: str = "auto",
                   init_fn: Callable[[nn.Module], None] | None = None,
                   data_parallel: str = "replicate",
-                  reshard_after_forward: bool = False) -> Distributed:
+                  reshard_after_forward: bool = False,
+                  tensor_parallel: TensorParallel | None = None) -> Distributed:
         """The pipeline along the mesh's ``"pp"`` dimension (each coordinate of the others is
         its own pipeline, sending to the same coordinate of the next stage), data-parallel
-        replicas along ``"dp"`` (their gradients averaged after each step).
+        replicas along ``"dp"``, tensor parallelism along ``"tp"``.
 
         Raises:
-            ValueError: a mesh without a ``"pp"`` dimension, or with one of another name.
-            NotImplementedError: a ``"tp"`` dimension larger than 1 (not built yet).
+            ValueError: a mesh without a ``"pp"`` dimension, or with one of another name; a
+                ``"tp"`` dimension larger than 1 without ``tensor_parallel``, or
+                ``tensor_parallel`` without one.
         """
         names = tuple(mesh.mesh_dim_names or ())
         unknown = [name for name in names if name not in MESH_DIMENSIONS]
         if "pp" not in names or unknown:
             raise ValueError(f"mesh: expected dimensions named among {MESH_DIMENSIONS} with a "
                              f"'pp' one, got {names or 'unnamed dimensions'}")
-        if "tp" in names and mesh["tp"].size() > 1:
-            raise NotImplementedError(f"tensor parallelism inside stages is not built yet: "
-                                      f"the mesh's 'tp' dimension must be 1, got "
-                                      f"{mesh['tp'].size()}")
+        tp = mesh["tp"].size() if "tp" in names else 1
+        if tp > 1 and tensor_parallel is None:
+            raise ValueError(f"the mesh's 'tp' dimension is {tp}: pass tensor_parallel="
+                             f"fn(layer, tp_mesh) to say how each layer splits across it")
+        if tensor_parallel is not None and "tp" not in names:
+            raise ValueError(f"tensor_parallel= needs a mesh with a 'tp' dimension, got "
+                             f"dimensions {names}")
         data_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
         return cls(mesh["pp"].get_group(), data_group, transport, init_fn, mesh, data_parallel,
-                   reshard_after_forward)
+                   reshard_after_forward, tensor_parallel)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The mesh's ``"tp"`` dimension where it has one larger than 1, else None."""
+        if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh["tp"] if self.mesh["tp"].size() > 1 else None
 
     def data_mesh(self, device_type: str) -> DeviceMesh | None:
         """The one-dimensional mesh of ``data_group`` (FSDP2 shards over a mesh), or None."""
@@ -97,8 +115,8 @@ class Distributed:
     @property
     def holders(self) -> ProcessGroup:
         """Every rank that holds a part of the model: the pipeline's group, or with
-        data-parallel replicas the default group."""
-        if isinstance(self.data_group, ProcessGroup):
+        data-parallel replicas or tensor parallelism the default group."""
+        if isinstance(self.data_group, ProcessGroup) or self.tp_mesh is not None:
             world = dist.group.WORLD
             assert world is not None  # a data group implies an initialised default group
             return world
@@ -114,6 +132,9 @@ class Distributed:
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}; expected one of: "
                              f"{', '.join(DATA_PARALLEL)}")
+        if self.tensor_parallel is not None and self.mesh is None:
+            raise ValueError("tensor_parallel= needs mesh=init_device_mesh(..., "
+                             "mesh_dim_names=('pp', 'dp', 'tp'))")
         if self.reshard_after_forward and self.data_parallel != "fsdp":
             raise ValueError(f"reshard_after_forward=True applies to data_parallel='fsdp' only, "
                              f"got data_parallel={self.data_parallel!r}")

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from schedules import Schedule
 
 from pipeline.compute.chunk import ChunkOptions
-from pipeline.group.distributed import Distributed
+from pipeline.group.distributed import Distributed, TensorParallel
 from pipeline.runtime.data_parallel import Alone, DataParallel, FullyShard, Replicate
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
@@ -26,7 +27,16 @@ def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedul
     return DistRunner(model, list(balance), schedule, devices[0], options, timeout,
                       distributed.group, distributed.data_group, distributed.init_fn,
                       distributed.transport, _data_parallel(distributed, devices[0], timeout,
-                                                     bool(schedule.split_backward)))
+                                                     bool(schedule.split_backward)),
+                      _tensor_parallel(distributed))
+
+
+def _tensor_parallel(distributed: Distributed) -> tuple[TensorParallel, DeviceMesh] | None:
+    """The user's ``fn(layer, tp_mesh)`` and the mesh it splits over, where both are."""
+    tp_mesh = distributed.tp_mesh
+    if distributed.tensor_parallel is None or tp_mesh is None:
+        return None
+    return distributed.tensor_parallel, tp_mesh
 
 
 def _data_parallel(distributed: Distributed, device: torch.device,

@@ -32,6 +32,7 @@ torch this project pins).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,6 +73,19 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def replication(tensor: torch.Tensor, sizes: dict[str, int]) -> int:
+    """How many ranks along the mesh dimensions ``sizes`` (name -> ranks) hold the same part
+    of ``tensor`` as this one: all of them along a dimension it is not sharded over."""
+    sharded: set[str] = set()
+    if isinstance(tensor, DTensor):
+        names = tensor.device_mesh.mesh_dim_names or ()
+        # Not is_shard(): FSDP over a tensor-parallel shard places a _StridedShard, which
+        # is no Shard; a gradient is never Partial here.
+        sharded = {name for name, placement in zip(names, tensor.placements)
+                   if not placement.is_replicate()}
+    return math.prod(size for name, size in sizes.items() if name not in sharded)
+
+
 class DataParallel(Protocol):
     """What a stage's replicas do together."""
 
@@ -86,8 +100,6 @@ class DataParallel(Protocol):
     def abandon_step(self) -> None: ...
 
     def after_forward_only(self) -> None: ...
-
-    def norm_groups(self) -> list[dist.ProcessGroup]: ...
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 
@@ -119,10 +131,6 @@ class Alone:
     def after_forward_only(self) -> None:
         pass
 
-    def norm_groups(self) -> list[dist.ProcessGroup]:
-        """The groups whose ranks hold distinct parts of the gradients: the pipeline's."""
-        return [self.group]
-
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return shape
 
@@ -148,8 +156,9 @@ class Replicate(Alone):
         replicas = dist.get_world_size(self.data_group)
         for parameter in parameters:
             if parameter.grad is not None:
-                all_reduce(parameter.grad, self.data_group, self.timeout, "averaging gradients")
-                parameter.grad.div_(replicas)
+                grad = local_part(parameter.grad)
+                all_reduce(grad, self.data_group, self.timeout, "averaging gradients")
+                grad.div_(replicas)
 
 
 class FullyShard(Alone):
@@ -218,10 +227,6 @@ class FullyShard(Alone):
         return Sharding(self.mesh.size(), True, self.reshard_after_forward,
                         tuple(sum(p.numel() for p in unit.parameters())  # type: ignore[attr-defined]
                               for unit in self.units))
-
-    def norm_groups(self) -> list[dist.ProcessGroup]:
-        """The pipeline's group and the shards' group: every rank holds a distinct part."""
-        return [self.group, self.mesh.get_group()]
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """This rank's shard of a tensor of ``shape`` (FSDP2 cuts dim 0 as ``torch.chunk``)."""

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from schedules import Event, Schedule, Timeline
@@ -18,10 +19,12 @@ from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.microbatch import to_device
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
+from pipeline.group.distributed import TensorParallel
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
-from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
+from pipeline.runtime.data_parallel import (Alone, DataParallel, Sharding, local_part,
+                                            replication)
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
@@ -71,10 +74,12 @@ class DistRunner:
         init_fn: Callable[[nn.Module], None] | None,
         transport: str = "auto",
         data_parallel: DataParallel | None = None,
+        tensor_parallel: tuple[TensorParallel, DeviceMesh] | None = None,
     ) -> None:
         self.group = group
         self.data_group = data_group
         self.data_parallel = data_parallel if data_parallel is not None else Alone(group)
+        self.tp_mesh = tensor_parallel[1] if tensor_parallel is not None else None
         self.schedule = schedule
         self.device = device
         self.stage = dist.get_rank(group)
@@ -89,7 +94,7 @@ class DistRunner:
         free_remote_layers(model, self.local_layers, self.shared)
         for c in schedule.chunks_of_stage[self.stage]:
             _materialise(nn.Sequential(*[model[i] for i in layers_of[c]]), device, init_fn)
-        now = self._shard()
+        now = self._split_layers(tensor_parallel)
         self.synced = [replace(entry, parameter=None if entry.parameter is None
                                else now[id(entry.parameter)]) for entry in self.synced]
         owner_stage = {id(now[key]): stage for key, stage in owner_stage.items() if key in now}
@@ -122,11 +127,17 @@ class DistRunner:
         self.meter: StepMeter | None = None  # set one to account for each step's time
         self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
 
-    def _shard(self) -> dict[int, nn.Parameter]:
-        """Let the data-parallel replicas shard the local layers: ``id`` of each parameter
-        before -> the parameter that replaced it (itself, unsharded)."""
+    def _split_layers(self, tensor_parallel: tuple[TensorParallel, DeviceMesh] | None
+                      ) -> dict[int, nn.Parameter]:
+        """Parallelize the local layers over ``tp`` (the user's ``fn(layer, tp_mesh)``), then
+        let the data-parallel replicas shard them: ``id`` of each parameter before -> the
+        parameter that replaced it (itself where nothing did)."""
         paths = {id(p): (index, name) for index in self.local_layers
                  for name, p in self.model[index].named_parameters()}
+        if tensor_parallel is not None:
+            function, tp_mesh = tensor_parallel
+            for index in self.local_layers:
+                function(self.model[index], tp_mesh)
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
 
@@ -345,19 +356,28 @@ class DistRunner:
         self.transport.close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm over every rank's part of the gradients, then each part scaled.
+
+        A part several ranks hold alike (a replica's whole gradient, a norm's weight on
+        every tensor-parallel rank) counts once: its share is divided by how many hold it.
+        """
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [local_part(p.grad) for p in self.counted if p.grad is not None]
-        groups = self.data_parallel.norm_groups()  # together, every part counted once
+        counted = [p.grad for p in self.counted if p.grad is not None]
+        groups, sizes = [self.group], {}
+        for name, group in (("dp", self.data_group),
+                            ("tp", self.tp_mesh.get_group() if self.tp_mesh else None)):
+            if group is not None:
+                groups.append(group)
+                sizes[name] = dist.get_world_size(group)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if norm_type == float("inf"):
-            local = max((g.abs().max() for g in counted if g.numel()),
-                        default=torch.zeros((), device=self.device))
-            total = local.to(torch.float64).clone()
+            total = max((local_part(g).abs().max().to(torch.float64) for g in counted
+                         if local_part(g).numel()), default=zero).clone()
             for group in groups:
                 all_reduce(total, group, self.timeout, "clipping gradients", dist.ReduceOp.MAX)
         else:
-            local = sum((g.norm(norm_type).to(torch.float64) ** norm_type for g in counted),
-                        torch.zeros((), dtype=torch.float64, device=self.device))
-            total = local.clone()
+            total = sum((local_part(g).norm(norm_type).to(torch.float64) ** norm_type
+                         / replication(g, sizes) for g in counted), zero).clone()
             for group in groups:
                 all_reduce(total, group, self.timeout, "clipping gradients")
             total = total ** (1.0 / norm_type)

@@ -18,19 +18,36 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zoo
+from examples.gpt import gpt, tensor_parallel_plan
 
 CHUNKS = 4
 SEED = 1234
-# Layers per model chunk (6 layers: embedding, 3 blocks, norm, tied head) for 2 or 4
-# chunks: the head is on another stage than the embedding, except under a V schedule
-# on 2 stages, whose first stage runs both ends (one FSDP unit then holds both).
-BALANCES = {1: [6], 2: [3, 3], 4: [2, 1, 1, 2], 8: [1, 1, 1, 0, 0, 1, 1, 1]}
+# Layers per model chunk (9 layers: embedding, 6 blocks, norm, tied head) for 1 to 8
+# chunks: the head is on another stage than the embedding, except under a V schedule,
+# whose first stage runs both ends (one FSDP unit then holds both).
+BALANCES = {1: [9], 2: [5, 4], 4: [3, 2, 2, 2], 8: [2, 1, 1, 1, 1, 1, 1, 1]}
 
 
 def balance_for(schedule: str, stages: int) -> list[int]:
     from schedules import get_schedule
 
     return BALANCES[get_schedule(schedule, stages, CHUNKS).chunks]
+
+
+HEADS = 4  # attention heads split over up to 4 tensor-parallel ranks
+BLOCKS = 6  # 9 layers: room for 8 chunks of 4 stages under ZB-V
+
+
+def mesh_gpt(seed: int = 0, drop_path: float = 0.0, dropout: float = 0.0) -> nn.Sequential:
+    """The test GPT (``zoo.tiny_gpt``'s widths) with 6 blocks of 4 heads of 2 dimensions."""
+    torch.manual_seed(seed)
+    return gpt(zoo.VOCAB, zoo.DIM, BLOCKS, HEADS, zoo.SEQ, drop_path=drop_path,
+               dropout=dropout).to(zoo.DTYPE)
+
+
+def plan_for(shape: Sequence[int]) -> Any:
+    """The GPT's tensor-parallel plan where the mesh (pp, dp[, tp]) has tp > 1, else None."""
+    return tensor_parallel_plan if len(shape) > 2 and shape[2] > 1 else None
 
 
 def mesh_of(shape: Sequence[int]) -> DeviceMesh:
@@ -73,33 +90,34 @@ def worst(found: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> 
     return max((zoo.difference(found[key], expected[key]) for key in found), default=float("inf"))
 
 
-def gpt_exact(rank: int, world: int, shape: Sequence[int], schedules: Sequence[str],
-              modes: Sequence[str], data_parallel: str, reshard_after_forward: bool = False
-              ) -> list[tuple[str, str, float, float, int]]:
+Combination = tuple[str, str, str]  # data parallelism, schedule, checkpoint mode
+
+
+def gpt_exact(rank: int, world: int, shape: Sequence[int], combinations: Sequence[Combination],
+              reshard_after_forward: bool = False) -> list[tuple[Combination, float, float, int]]:
     """Loss and gradient errors against the unpipelined GPT on the union batch, per
-    schedule x checkpoint mode: (schedule, mode, loss error, gradient error, compared).
-    (A model with dropout has no unpipelined twin: ``random_equal`` compares FSDP with
-    replicas under one seed.)"""
+    combination: (combination, loss error, gradient error, parameters compared). (A model
+    with dropout has no unpipelined twin: ``random_equal`` compares FSDP with replicas
+    under one seed.)"""
     from pipeline import Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
-    model = zoo.tiny_gpt()
+    model = mesh_gpt()
     expected_loss, expected = zoo.reference_grads(model, *union_batch(mesh), zoo.gpt_loss())
     x, y = replica_batch(mesh)
     rows = []
-    for schedule in schedules:
-        for mode in modes:
-            trained = copy.deepcopy(model)
-            pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
-                        checkpoint=mode, loss_fn=zoo.gpt_loss(), mesh=mesh,
-                        data_parallel=data_parallel,
-                        reshard_after_forward=reshard_after_forward, timeout=30.0)
-            loss = float(pipe.step(x, y))
-            found = full_grads(trained)
-            rows.append((schedule, mode, abs(loss - expected_loss), worst(found, expected),
-                         len(found)))
-            pipe.close()
+    for combination in combinations:
+        data_parallel, schedule, mode = combination
+        trained = copy.deepcopy(model)
+        pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
+                    checkpoint=mode, loss_fn=zoo.gpt_loss(), mesh=mesh,
+                    tensor_parallel=plan_for(shape), data_parallel=data_parallel,
+                    reshard_after_forward=reshard_after_forward, timeout=60.0)
+        loss = float(pipe.step(x, y))
+        found = full_grads(trained)
+        rows.append((combination, abs(loss - expected_loss), worst(found, expected), len(found)))
+        pipe.close()
     return rows
 
 
@@ -110,7 +128,7 @@ def random_equal(rank: int, world: int, shape: Sequence[int], schedule: str) -> 
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
-    model = zoo.tiny_gpt(drop_path=0.1, dropout=0.1)
+    model = mesh_gpt(drop_path=0.1, dropout=0.1)
     x, y = replica_batch(mesh)
     found = []
     for data_parallel in ("replicate", "fsdp"):
@@ -129,6 +147,12 @@ def sharded_units(pipe: Any) -> int:
     return len(pipe._runner.data_parallel.units)
 
 
+def in_turn(rank: int, world: int, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+    """Several of this module's workers in one spawn: ``(name, args)`` each, results in order
+    (spawning 4 ranks costs seconds; the meshes they build are independent)."""
+    return [globals()[name](rank, world, *args) for name, args in calls]
+
+
 def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int, dict[str, int]]:
     """One profiled step (after a first one) of the GPT on (pp, dp) = (2, 2) under FSDP: this
     rank's units and how many all-gathers and reduce-scatters FSDP2 ran, per kind.
@@ -142,7 +166,7 @@ def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int
     torch.set_num_threads(1)
     mesh = mesh_of((2, 2))
     x, y = replica_batch(mesh)
-    pipe = Pipe(zoo.tiny_gpt(), CHUNKS, balance=BALANCES[2], schedule="1f1b",
+    pipe = Pipe(mesh_gpt(), CHUNKS, balance=BALANCES[2], schedule="1f1b",
                 checkpoint="never" if reshard_after_forward else "always",
                 loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel="fsdp",
                 reshard_after_forward=reshard_after_forward, timeout=30.0)
@@ -190,9 +214,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def habits(rank: int, world: int) -> dict[str, float]:
-    """What users do with a sharded GPT on (pp, dp) = (2, 2), each against the unpipelined
-    model on the union of the replicas' batches (largest differences):
+def habits(rank: int, world: int, shape: Sequence[int] = (2, 2)) -> dict[str, float]:
+    """What users do with a sharded GPT on ``shape`` (pp, dp[, tp]) under FSDP, each against
+    the unpipelined model on the union of the replicas' batches (largest differences):
 
     - ``accumulated``: two steps without ``zero_grad``: the sum of both batches' gradients.
     - ``norm`` / ``clipped``: ``clip_grad_norm_`` after them: the plain model's total norm
@@ -204,8 +228,8 @@ def habits(rank: int, world: int) -> dict[str, float]:
     from pipeline import Pipe
 
     torch.set_num_threads(1)
-    mesh = mesh_of((2, 2))
-    model = zoo.tiny_gpt()
+    mesh = mesh_of(shape)
+    model = mesh_gpt()
     plain = copy.deepcopy(model)
     batches = [zoo.gpt_batch(rows=2 * zoo.GPT_ROWS, seed=seed) for seed in (1, 2)]
     for x, y in batches:
@@ -214,8 +238,8 @@ def habits(rank: int, world: int) -> dict[str, float]:
     norm = float(nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
     clipped = zoo.per_layer_grads(plain)
 
-    pipe = Pipe(model, CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(), mesh=mesh,
-                data_parallel="fsdp", timeout=30.0)
+    pipe = Pipe(model, CHUNKS, balance=BALANCES[shape[0]], loss_fn=zoo.gpt_loss(), mesh=mesh,
+                data_parallel="fsdp", tensor_parallel=plan_for(shape), timeout=30.0)
     coordinate = mesh.get_local_rank("dp")
     for x, y in batches:
         pipe.step(x[coordinate * zoo.GPT_ROWS:(coordinate + 1) * zoo.GPT_ROWS],
@@ -236,15 +260,16 @@ def habits(rank: int, world: int) -> dict[str, float]:
 
 
 def refusals(rank: int, world: int) -> list[str]:
-    """What the Pipe says to data-parallel options it cannot honour."""
+    """What the Pipe says to mesh options it cannot honour."""
     from pipeline import Pipe
 
-    mesh = mesh_of((2, 2))
     said = []
-    for options in ({"data_parallel": "zero"},
-                    {"data_parallel": "replicate", "reshard_after_forward": True}):
+    for shape, options in (((2, 2), {"data_parallel": "zero"}),
+                           ((2, 2), {"data_parallel": "replicate", "reshard_after_forward": True}),
+                           ((2, 1, 2), {}),
+                           ((2, 2), {"tensor_parallel": tensor_parallel_plan})):
         try:
-            Pipe(zoo.tiny_gpt(), CHUNKS, loss_fn=zoo.gpt_loss(), mesh=mesh, **options)
+            Pipe(mesh_gpt(), CHUNKS, loss_fn=zoo.gpt_loss(), mesh=mesh_of(shape), **options)
             said.append("accepted")
         except ValueError as error:
             said.append(str(error))
@@ -269,7 +294,7 @@ def adam(parameters: Any) -> torch.optim.Optimizer:
 
 def reference_parameters(steps: int) -> dict[str, torch.Tensor]:
     """The unpipelined GPT after ``steps`` uninterrupted Adam steps on the union batches."""
-    model = zoo.tiny_gpt()
+    model = mesh_gpt()
     optimizer = adam(model.parameters())
     for step in range(steps):
         x, y = step_batch(step)
@@ -307,7 +332,7 @@ def sharded_save(rank: int, world: int, directory: str) -> tuple[int, int]:
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, REPLICAS_THAT_SAVE))
-    pipe = Pipe(zoo.tiny_gpt(), CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
+    pipe = Pipe(mesh_gpt(), CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
                 mesh=mesh, data_parallel="fsdp", timeout=30.0)
     optimizer = adam(pipe.parameters())
     train_mesh_pipe(pipe, optimizer, mesh, range(STEPS_BEFORE_SAVE))
@@ -317,16 +342,23 @@ def sharded_save(rank: int, world: int, directory: str) -> tuple[int, int]:
     return sum(1 for p in held if isinstance(p, DTensor)), len(held)
 
 
-def sharded_resume(rank: int, world: int, directory: str, shape: Sequence[int],
-                   data_parallel: str) -> tuple[int, float, int]:
+def sharded_resumes(rank: int, world: int, directory: str,
+                    layouts: Sequence[tuple[Sequence[int], str]]) -> list[tuple[int, float, int]]:
+    """``sharded_resume`` on each (shape, data parallelism) in turn."""
+    return [sharded_resume(directory, shape, data_parallel) for shape, data_parallel in layouts]
+
+
+def sharded_resume(directory: str, shape: Sequence[int], data_parallel: str
+                   ) -> tuple[int, float, int]:
     """Load the checkpoint on ``shape``, train 3 more steps: the saved step, the largest
     difference from 6 uninterrupted plain steps, and the parameters compared."""
     from pipeline import Pipe, load_checkpoint
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
-    pipe = Pipe(zoo.tiny_gpt(seed=99), CHUNKS, balance=BALANCES[shape[0]],
-                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel, timeout=30.0)
+    pipe = Pipe(mesh_gpt(seed=99), CHUNKS, balance=BALANCES[shape[0]],
+                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel,
+                tensor_parallel=plan_for(shape), timeout=30.0)
     optimizer = adam(pipe.parameters())
     step = load_checkpoint(pipe, optimizer, directory)
     train_mesh_pipe(pipe, optimizer, mesh, range(step, step + STEPS_AFTER_LOAD))
