@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 def gather_state_dict(pipe: Pipe, dst: int = 0) -> dict[str, torch.Tensor] | None:
     """The full model's state dict on group rank ``dst`` (CPU tensors), None elsewhere.
 
-    Every rank of the pipe's group must call it. In one process it is simply the
-    model's state dict. The keys are the original model's (``"4.weight"``), so the
+    Every rank of the pipe's group must call it; in a mesh with sharded or tensor-
+    parallel layers, every rank of the mesh (a shard is gathered whole first), and each
+    pipeline of the mesh gathers onto its own rank ``dst``. In one process it is simply
+    the model's state dict. For large models prefer ``save_checkpoint``, which never
+    gathers. The keys are the original model's (``"4.weight"``), so the
     result loads into the unpipelined model. Each rank's tensors travel as raw bytes
     beside a JSON list of names, dtypes and shapes (nothing a peer sends is
     unpickled), and every collective waits at most the Pipe's ``timeout``.

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as load_checkpoint
 from torch.distributed.checkpoint.state_dict_saver import save as save_checkpoint
@@ -167,7 +168,9 @@ class RankGroup:
         return gather_objects(mine, self.group, self.timeout, what, device)
 
     def share_overflow(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        grads = [p.grad for p in parameters if p.grad is not None]
+        # A sharded gradient's own shard: a DTensor's isfinite().all() would be a collective.
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in parameters if p.grad is not None]
         found = any(not bool(torch.isfinite(g).all()) for g in grads)
         flag = torch.tensor([float(found)], device=rank_device(self.group))
         all_reduce(flag, self.group, self.timeout, "sharing a gradient overflow",

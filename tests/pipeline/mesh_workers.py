@@ -255,6 +255,14 @@ def habits(rank: int, world: int, shape: Sequence[int] = (2, 2)) -> dict[str, fl
     found["gathered_after"] = sum(1 for p in pipe.parameters() if not isinstance(p, DTensor))
     full = sum(_full(p).numel() for p in pipe.parameters())
     found["held"] = sum(_local(p).numel() for p in pipe.parameters()) / full
+    from pipeline import gather_state_dict
+
+    gathered = gather_state_dict(pipe)  # every rank calls: shards are gathered whole
+    if gathered is not None:
+        initial = mesh_gpt().state_dict()  # no optimizer step: still the initial weights
+        found["gathered_state"] = max(zoo.difference(value, initial[key])
+                                      for key, value in gathered.items())
+        found["gathered_keys"] = float(sorted(gathered) == sorted(initial))
     pipe.close()
     return found
 

@@ -101,6 +101,7 @@ def test_dropout_accumulation_clipping_and_inference_under_fsdp() -> None:
     """On (2, 2) and on (1, 2, 2) with tensor parallelism: dropout under one seed gives the
     replicated pipeline's gradients; two steps without zero_grad, clip_grad_norm_ and
     pipe(x) give the unpipelined model's (see ``habits``)."""
+    gatherers = 0
     for dropout_difference, *found_per_shape in run_ranks(in_turn, 4, [
         ("random_equal", ((2, 2), "zb-h1")), ("habits", ((2, 2),)), ("habits", ((1, 2, 2),)),
     ]):
@@ -113,6 +114,10 @@ def test_dropout_accumulation_clipping_and_inference_under_fsdp() -> None:
             assert found["inference"] < EXACT
             assert found["gathered_after"] == 0  # a forward-only call frees what it gathered
             assert held[0] < found["held"] < held[1]
+            if "gathered_state" in found:  # each pipeline's first rank: the whole model
+                assert found["gathered_state"] == 0.0 and found["gathered_keys"] == 1.0
+                gatherers += 1
+    assert gatherers == 2 + 4  # (2, 2): 2 pipelines; (1, 2, 2): 4 pipelines of one stage
 
 
 # -- a sharded checkpoint resumes on other layouts -------------------------------------------
