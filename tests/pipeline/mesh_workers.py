@@ -50,6 +50,11 @@ def plan_for(shape: Sequence[int]) -> Any:
     return tensor_parallel_plan if len(shape) > 2 and shape[2] > 1 else None
 
 
+def union_batch_of(replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch all ``replicas`` train on together, each on its share of the rows."""
+    return zoo.gpt_batch(rows=zoo.GPT_ROWS * replicas)
+
+
 def mesh_of(shape: Sequence[int]) -> DeviceMesh:
     names = ("pp", "dp", "tp")[: len(shape)]
     return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
@@ -65,8 +70,7 @@ def replica_batch(mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def union_batch(mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
-    replicas = mesh["dp"].size() if "dp" in (mesh.mesh_dim_names or ()) else 1
-    return zoo.gpt_batch(rows=zoo.GPT_ROWS * replicas)
+    return union_batch_of(mesh["dp"].size() if "dp" in (mesh.mesh_dim_names or ()) else 1)
 
 
 def full_grads(model: nn.Sequential) -> dict[str, torch.Tensor]:
@@ -374,3 +378,26 @@ def sharded_resume(directory: str, shape: Sequence[int], data_parallel: str
     expected = reference_parameters(STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
     pipe.close()
     return step, max(zoo.difference(found[k], expected[k]) for k in found), len(found)
+
+
+def groups_fsdp(rank: int, world: int) -> tuple[float, float, int]:
+    """FSDP with the groups of ``make_groups`` (no mesh given to the Pipe): the GPT's loss and
+    gradient errors against the unpipelined model on the union batch, and the parameters
+    this rank holds sharded."""
+    from pipeline import Pipe, make_groups
+
+    torch.set_num_threads(1)
+    pipeline_group, data_group = make_groups(pipeline_size=2, data_parallel_size=2)
+    replica = rank // 2  # make_groups' layout: rank = replica * pipeline_size + stage
+    x, y = union_batch_of(2)
+    rows = x.shape[0] // 2
+    model = mesh_gpt()
+    expected_loss, expected = zoo.reference_grads(model, x, y, zoo.gpt_loss())
+    pipe = Pipe(model, CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
+                group=pipeline_group, data_group=data_group, data_parallel="fsdp", timeout=30.0)
+    part = slice(replica * rows, (replica + 1) * rows)
+    loss = float(pipe.step(x[part], y[part]))
+    error = worst(full_grads(model), expected)
+    sharded = sum(1 for p in pipe.parameters() if isinstance(p, DTensor))
+    pipe.close()
+    return abs(loss - expected_loss), error, sharded

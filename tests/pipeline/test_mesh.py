@@ -62,12 +62,13 @@ def test_fsdp_gathers_once_per_step_and_refuses_what_it_cannot_do() -> None:
     """On (pp, dp) = (2, 2): the collectives counted by the profiler (each unit gathered
     once and reduced once per step, even with every micro-batch recomputed; resharded
     after each forward, gathered for each forward and each backward), exactness when
-    resharding, and the errors for options the mesh cannot honour."""
+    resharding, the errors for options the mesh cannot honour, and FSDP over the groups
+    of ``make_groups``."""
     resharding = (("fsdp", "1f1b", "except_last"), ("fsdp", "zb-v", "except_last"))
-    for (units, counted), (units_again, recounted), rows, said in run_ranks(in_turn, 4, [
-        ("collectives", (False,)), ("collectives", (True,)),
-        ("gpt_exact", ((2, 2), resharding, True)), ("refusals", ()),
-    ]):
+    for (units, counted), (units_again, recounted), rows, said, from_groups in run_ranks(
+        in_turn, 4, [("collectives", (False,)), ("collectives", (True,)),
+                     ("gpt_exact", ((2, 2), resharding, True)), ("refusals", ()),
+                     ("groups_fsdp", ())]):
         assert units == units_again in (4, 5)  # a unit per layer: 5 on stage 0, 4 on stage 1
         assert counted == {"all_gather": units, "reduce_scatter": units}
         assert recounted == {"all_gather": 2 * CHUNKS * units, "reduce_scatter": units}
@@ -81,6 +82,9 @@ def test_fsdp_gathers_once_per_step_and_refuses_what_it_cannot_do() -> None:
             "each layer splits across it",
             "tensor_parallel= needs a mesh with a 'tp' dimension, got dimensions ('pp', 'dp')",
         ]
+        # group= and data_group= (make_groups) instead of a mesh: sharded and exact too.
+        loss_error, grad_error, sharded = from_groups
+        assert loss_error < EXACT and grad_error < EXACT and sharded > 0
 
 
 def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter() -> None:
