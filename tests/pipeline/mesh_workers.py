@@ -401,3 +401,42 @@ def groups_fsdp(rank: int, world: int) -> tuple[float, float, int]:
     sharded = sum(1 for p in pipe.parameters() if isinstance(p, DTensor))
     pipe.close()
     return abs(loss - expected_loss), error, sharded
+
+
+def shared_block_model() -> nn.Sequential:
+    """One block instance at positions 1, 2 (stage 0) and 4 (stage 1), ALBERT style, and a
+    frozen first layer."""
+    torch.manual_seed(3)
+    block = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    model = nn.Sequential(nn.Linear(6, 6), block, block, nn.Linear(6, 6), block,
+                          nn.Linear(6, 6)).to(torch.float64)
+    model[0].requires_grad_(False)
+    return model
+
+
+def shared_blocks(rank: int, world: int, schedules: Sequence[str]) -> list[float]:
+    """Per schedule, the largest gradient difference from the plain model on the union
+    batch, for ``shared_block_model`` under FSDP on (pp, dp) = (2, 2)."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, 2))
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+    plain = shared_block_model()
+    nn.MSELoss()(plain(x), y).backward()
+    expected = zoo.per_layer_grads(plain)
+    part = slice(mesh.get_local_rank("dp") * 8, (mesh.get_local_rank("dp") + 1) * 8)
+    found = []
+    for schedule in schedules:
+        model = shared_block_model()
+        pipe = Pipe(model, CHUNKS, balance=[3, 3] if schedule != "zb-v" else [2, 1, 1, 2],
+                    schedule=schedule, loss_fn=nn.MSELoss(), mesh=mesh, data_parallel="fsdp",
+                    timeout=30.0)
+        pipe.step(x[part], y[part])
+        grads = {key: g for key, g in full_grads(model).items() if not key.startswith("0.")}
+        frozen = [p.grad for p in model[0].parameters() if not p.is_meta]
+        found.append(worst(grads, expected) if all(g is None for g in frozen) else float("inf"))
+        pipe.close()
+    return found

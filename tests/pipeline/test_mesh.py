@@ -101,15 +101,20 @@ def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter() -> None:
         assert held["fsdp"] < 0.26 * held["replicate"], held
 
 
-def test_dropout_accumulation_clipping_and_inference_under_fsdp() -> None:
+def test_dropout_shared_blocks_accumulation_clipping_and_inference_under_fsdp() -> None:
     """On (2, 2) and on (1, 2, 2) with tensor parallelism: dropout under one seed gives the
-    replicated pipeline's gradients; two steps without zero_grad, clip_grad_norm_ and
-    pipe(x) give the unpipelined model's (see ``habits``)."""
+    replicated pipeline's gradients; a block reused at several positions and a frozen
+    layer stay exact; two steps without zero_grad, clip_grad_norm_, pipe(x) and
+    gather_state_dict give the unpipelined model's (see ``habits``)."""
     gatherers = 0
-    for dropout_difference, *found_per_shape in run_ranks(in_turn, 4, [
-        ("random_equal", ((2, 2), "zb-h1")), ("habits", ((2, 2),)), ("habits", ((1, 2, 2),)),
+    for dropout_difference, shared, *found_per_shape in run_ranks(in_turn, 4, [
+        ("random_equal", ((2, 2), "zb-h1")), ("shared_blocks", (("1f1b", "zb-h1", "zb-v"),)),
+        ("habits", ((2, 2),)), ("habits", ((1, 2, 2),)),
     ]):
         assert dropout_difference == 0.0
+        # One block at three positions (two on one stage), a frozen layer: exact, and the
+        # frozen layer gets no gradient.
+        assert max(shared) < EXACT, shared
         # Half of the stage's elements over 2 replicas; over 2 replicas x 2 tensor-parallel
         # ranks a quarter, and a little more (norms and embeddings are whole on each).
         for found, held in zip(found_per_shape, ((0.45, 0.55), (0.25, 0.3))):
