@@ -25,7 +25,7 @@ MESH_DIMENSIONS = ("pp", "dp", "tp")
 DATA_PARALLEL = ("replicate", "fsdp")
 SHORTHAND_DEFAULTS: dict[str, Any] = {"transport": "auto", "data_parallel": "replicate",
                                       "reshard_after_forward": False}
-TensorParallel = Callable[[nn.Module, DeviceMesh], None]
+TensorParallel = Callable[[nn.Module, DeviceMesh], None]  # fn(layer, tp_mesh)
 
 
 @dataclass(frozen=True)

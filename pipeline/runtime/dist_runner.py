@@ -19,7 +19,6 @@ from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.microbatch import to_device
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
-from pipeline.group.distributed import TensorParallel
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
@@ -28,6 +27,8 @@ from pipeline.runtime.data_parallel import (Alone, DataParallel, Sharding, local
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
+from pipeline.group.distributed import TensorParallel
+from pipeline.runtime.tensor_parallel import parallelize, send_shards
 from pipeline.runtime.runner import (
     Plans,
     PendingTimeline,
@@ -86,7 +87,7 @@ class DistRunner:
         self.stage_ranks = [dist.get_global_rank(group, r) for r in range(schedule.stages)]
         self.balance = list(balance)
         self.model = model
-        layers_of = chunk_layers(balance)
+        layers_of = self.layers_of = chunk_layers(balance)
         self.local_layers = [i for c in schedule.chunks_of_stage[self.stage] for i in layers_of[c]]
         self.shared = shared_parameters(model)
         self.synced, owner_stage = shared_across_stages(model, balance, schedule,
@@ -135,9 +136,10 @@ class DistRunner:
         paths = {id(p): (index, name) for index in self.local_layers
                  for name, p in self.model[index].named_parameters()}
         if tensor_parallel is not None:
-            function, tp_mesh = tensor_parallel
-            for index in self.local_layers:
-                function(self.model[index], tp_mesh)
+            plan, tp_mesh = tensor_parallel
+            parallelize([self.model[index] for index in self.local_layers], plan, tp_mesh)
+            send_shards([self.model[layers[-1]] for c in self.schedule.chunks_of_stage[self.stage]
+                         if c != self.schedule.chunks - 1 and (layers := self.layers_of[c])])
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
 

@@ -440,3 +440,43 @@ def shared_blocks(rank: int, world: int, schedules: Sequence[str]) -> list[float
         found.append(worst(grads, expected) if all(g is None for g in frozen) else float("inf"))
         pipe.close()
     return found
+
+
+def sharded_crossing(rank: int, world: int, schedules: Sequence[str]) -> list[float]:
+    """A stage whose last layer returns a DTensor sharded over tp (a Colwise Linear with
+    ``use_local_output=False``) feeding a Rowwise Linear on the next stage, on (pp, dp, tp)
+    = (2, 1, 2): per schedule, the largest gradient difference from the plain model."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, 1, 2))
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 8), nn.Linear(8, 6),
+                             nn.Tanh(), nn.Linear(6, 6)).to(torch.float64)
+
+    def plan(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
+        if layer is model[2]:
+            parallelize_module(layer, tp_mesh, ColwiseParallel(use_local_output=False))
+        elif layer is model[3]:
+            parallelize_module(layer, tp_mesh, RowwiseParallel())
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(8, 6, generator=generator, dtype=torch.float64)
+    plain = build()
+    nn.MSELoss()(plain(x), y).backward()
+    expected = zoo.per_layer_grads(plain)
+    found = []
+    for schedule in schedules:
+        model = build()
+        pipe = Pipe(model, CHUNKS, balance=[3, 3], schedule=schedule, loss_fn=nn.MSELoss(),
+                    mesh=mesh, tensor_parallel=plan, timeout=30.0)
+        pipe.step(x, y)
+        found.append(worst(full_grads(model), expected))
+        pipe.close()
+    return found

@@ -29,6 +29,7 @@ from mesh_workers import (
     in_turn,
     mesh_gpt,
     reference_parameters,
+    sharded_crossing,
     sharded_resumes,
     sharded_save,
     step_batch,
@@ -99,6 +100,14 @@ def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter() -> None:
         assert compared == parameters  # every parameter on the one stage
         assert held["fsdp"] <= (0.25 + 0.05) * held["replicate"], held
         assert held["fsdp"] < 0.26 * held["replicate"], held
+
+
+def test_a_dtensor_stage_output_crosses_as_its_shard_and_stays_exact() -> None:
+    """A Colwise Linear with use_local_output=False ends stage 0, a Rowwise Linear starts
+    stage 1 (tp = 2): each tensor-parallel rank sends its shard, the next reads it as its
+    style's input layout. (Sent as a DTensor, the step fails inside the transport.)"""
+    for errors in run_ranks(sharded_crossing, 4, ("1f1b", "zb-h1")):
+        assert max(errors) < EXACT, errors
 
 
 def test_dropout_shared_blocks_accumulation_clipping_and_inference_under_fsdp() -> None:

@@ -1,0 +1,41 @@
+"""Tensor parallelism inside a stage: the user's plan applied, DTensor outputs sent as shards.
+
+``Pipe(..., tensor_parallel=fn)`` calls ``fn(layer, tp_mesh)`` on each local layer
+(``parallelize_module`` with the user's styles, say). Between stages only plain tensors
+travel: a chunk whose last layer returns a DTensor (a ``ColwiseParallel`` with
+``use_local_output=False``) sends each tensor-parallel rank's local shard, through the
+differentiable ``to_local``, so the gradient coming back is that shard's. The next
+stage's first layer reads the plain tensor as the layout its own style declares (a
+``RowwiseParallel``'s ``input_layouts=Shard(-1)``, a ``PrepareModuleInput``), exactly as
+torch's tensor-parallel styles read a local tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from pipeline.group.distributed import TensorParallel
+
+
+def parallelize(layers: Sequence[nn.Module], plan: TensorParallel, tp_mesh: DeviceMesh) -> None:
+    """Apply ``plan`` to each layer, in model order."""
+    for layer in layers:
+        plan(layer, tp_mesh)
+
+
+def send_shards(last_layers: Sequence[nn.Module]) -> None:
+    """Make each layer (the last of a chunk whose outputs cross to another chunk) return
+    the local shard of any DTensor it outputs."""
+    for layer in last_layers:
+        layer.register_forward_hook(_local_outputs)
+
+
+def _local_outputs(module: nn.Module, inputs: Any, outputs: Any) -> Any:
+    return pytree.tree_map(lambda leaf: leaf.to_local() if isinstance(leaf, DTensor) else leaf,
+                           outputs)
