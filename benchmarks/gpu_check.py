@@ -1,11 +1,12 @@
-"""GPU check: the environment, exact gradients for every schedule, a bf16 step, NCCL ranks.
+"""GPU check: the environment, exact gradients for every schedule, a bf16 step, NCCL ranks, a mesh.
 
 Run from the repository root on a CUDA machine (at most ``--budget`` seconds, 240 by
 default; about a minute on one H200):
 
     .venv/bin/python benchmarks/gpu_check.py --budget 240 2>&1 | tee gpu_check.log
 
-Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]`` or ``[summary]``:
+Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]``, ``[predict]``,
+``[mesh]`` or ``[summary]``:
 
 1. torch and CUDA versions, the devices, NCCL's availability and version.
 2. ``examples/gpt.py``'s GPT (tied head, padded targets, dropout 0) in float64 on
@@ -24,12 +25,22 @@ Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]`` or ``[s
    bubble before any step and refined after them (``benchmarks/_gpu_predict.py``;
    figures, not a verdict: an exception is a FAIL, a miss of the 10% bar is printed).
 
+6. ``[mesh]``: with four or more GPUs, NCCL ranks (one GPU each) run a pipeline in a
+   ``"cuda"`` device mesh, (pp, dp, tp) = (2, 2, 1), and with eight also (2, 2, 2) under
+   ``examples/gpt.py``'s ``tensor_parallel_plan``: the float64 GPT under FSDP with 1F1B
+   and ZB-V, and replicated with 1F1B (checkpoint never), against the unpipelined model
+   on the union of the replicas' batches (PASS below 1e-10 in loss and gradients); the
+   bytes of parameters, gradients and Adam state per rank, FSDP against replicated, are
+   printed as a fact. A watchdog reports a combination without an answer as HANG. With
+   fewer GPUs the part is skipped and says why.
+
 The last line counts PASS / FAIL / HANG and what the budget left out; the exit code is
 1 on any FAIL or HANG, else 0. Without CUDA it says so and exits 0. ``--cpu-dry-run``
 runs parts 2, 3 and 5 on the CPU at tiny sizes (the script's logic, in seconds);
-``--gloo`` adds part 4 on two CPU gloo ranks, ``--stall-in NAME`` makes rank 1 stall
-in schedule NAME to show the watchdog at work. Part 4 is ``_gpu_ranks.py``, part 5
-``_gpu_predict.py``, and what the parts share (the report, the GPT, gradient checks)
+``--gloo`` adds part 4 on two CPU gloo ranks and part 6 on four ((2, 2, 1) on the CPU),
+``--stall-in NAME`` makes rank 1 stall in schedule NAME of part 4 to show the watchdog
+at work. Part 4 is ``_gpu_ranks.py``, part 5 ``_gpu_predict.py``, part 6
+``_gpu_mesh.py``, and what the parts share (the report, the GPT, gradient checks)
 ``_gpu_common.py``.
 """
 
@@ -49,6 +60,7 @@ import torch
 from _gpu_common import (BF16_CPU, BF16_GPU, EXACT_CPU, EXACT_GPU, MODES, PREDICT_GPU,
                          TOLERANCE, Report, Sizes, bounded, grad_error, lm_loss, make_batch,
                          make_gpt, reference_grads, short)
+from _gpu_mesh import mesh_part
 from _gpu_ranks import two_ranks
 
 BF16_LOSS_TOLERANCE = 5e-2
@@ -209,7 +221,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="parts 2, 3 and 5 on the CPU at tiny sizes (no CUDA needed)")
     parser.add_argument("--gloo", action="store_true",
-                        help="with --cpu-dry-run: part 4 on two CPU gloo ranks")
+                        help="with --cpu-dry-run: part 4 on two CPU gloo ranks, part 6 on four")
     parser.add_argument("--schedules", default=",".join(schedule_names()),
                         help="comma-separated schedule names (default: every registered one)")
     parser.add_argument("--stall-in", default=None, metavar="NAME",
@@ -247,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         two_ranks(report, "gloo" if dry else "nccl", args.schedules, args.stall_in,
                   args.watchdog)
     predict_part(report, dry)
+    if dry and not args.gloo:
+        report.line("mesh", "not run: --cpu-dry-run checks parts 2, 3 and 5 only (add --gloo)")
+    else:
+        mesh_part(report, "gloo" if dry else "nccl")
     code = report.summary()
     if report.counts["HANG"]:
         os._exit(code)  # a hung stage thread could block the interpreter's shutdown

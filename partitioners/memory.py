@@ -1,15 +1,117 @@
-"""Stage memory under a schedule: parameters with their gradients, plus held saved activations."""
+"""Stage memory under a schedule: parameters with their gradients, plus held saved activations.
+
+With data-parallel replicas (``DataParallelism``) a stage's fixed bytes change shape.
+Whole copies (``"replicate"``) hold what one stage alone does. FSDP2 shards
+(``"fsdp"``, as ``pipeline.runtime.data_parallel.FullyShard`` runs them) hold, between
+steps, 1/replicas of the parameters, of their gradients and of the optimizer's state;
+within a step they also hold the whole parameters they gathered (``gathered_bytes``) and
+the whole gradients, which accumulate unsharded until the step's one reduce-scatter.
+So a stage holds, at its peak, ``(parameters + gradients + optimizer) / replicas +
+gradients + gathered`` (``sharded_fixed_bytes``).
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
 
 from partitioners.cost import LayerCost, check_ties
 from partitioners.feasibility import Copies, MemoryCap
-from schedules import Schedule, get_schedule, simulate
+from schedules import Link, Schedule, get_schedule, simulate
+
+
+@dataclass(frozen=True)
+class DataParallelism:
+    """How each pipeline stage's data-parallel replicas hold it (a mesh's ``"dp"`` dimension).
+
+    Attributes:
+        replicas: ranks holding each stage; 1: no data parallelism.
+        sharded: FSDP2 (``Pipe(data_parallel="fsdp")``): parameters, gradients and
+            optimizer state 1/replicas each between steps, each FSDP unit (a layer)
+            all-gathered once per step and its gradients reduce-scattered once. False:
+            whole copies whose gradients are all-reduced once per step (``"replicate"``).
+        reshard_after_forward: with ``sharded``, a unit's gathered parameters are freed
+            after each forward (and, unless the schedule splits backwards, each backward)
+            and gathered again before the next: less memory, more all-gathers.
+        link: the hop between two replicas that prices the collectives (a ring of
+            ``replicas`` such hops); None: the planner's ``hop``.
+
+    Raises:
+        ValueError: ``replicas`` not an int >= 1, or ``reshard_after_forward`` without
+            ``sharded`` (whole copies gather nothing).
+    """
+
+    replicas: int = 1
+    sharded: bool = False
+    reshard_after_forward: bool = False
+    link: Link | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, numbers.Integral) \
+                or self.replicas < 1:
+            raise ValueError(f"DataParallelism replicas: expected an int >= 1, got "
+                             f"{self.replicas!r}")
+        if self.reshard_after_forward and not self.sharded:
+            raise ValueError("DataParallelism: reshard_after_forward=True applies to sharded "
+                             "replicas only (data_parallel='fsdp'), got sharded=False")
+        if self.link is not None and not isinstance(self.link, Link):
+            raise TypeError(f"DataParallelism link: expected a schedules.Link or None, got "
+                            f"{self.link!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether there are replicas at all (more than one)."""
+        return self.replicas > 1
+
+
+NO_REPLICAS = DataParallelism()
+
+
+def gathered_bytes(units: Sequence[float], reshard_after_forward: bool,
+                   split_backward: bool) -> float:
+    """Bytes of whole parameters a sharded stage holds gathered at once within a step.
+
+    Every unit stays gathered from its first forward to the step's reduce-scatter by
+    default. With ``reshard_after_forward`` a unit is gathered around each forward and
+    backward only, so at once the largest unit; but after a split backward's I the units
+    stay gathered for the W (and until the chunk's next forward): the whole stage again.
+
+    Args:
+        units: bytes of each FSDP unit's whole parameters on the stage.
+        reshard_after_forward: whether gathered parameters are freed after each forward.
+        split_backward: whether the schedule splits backwards into I and W.
+    """
+    if not units:
+        return 0.0
+    if reshard_after_forward and not split_backward:
+        return float(max(units))
+    return float(sum(units))
+
+
+def sharded_fixed_bytes(parameters: float, optimizer_factor: float, units: Sequence[float],
+                        data_parallel: DataParallelism, split_backward: bool) -> float:
+    """The fixed bytes of one stage with ``parameters`` bytes, at its peak within a step.
+
+    Without replicas, or with whole copies: ``(2 + optimizer_factor) x parameters``.
+    Sharded: ``(2 + optimizer_factor) x parameters / replicas`` between steps, plus the
+    unsharded gradients (``parameters``) and the gathered parameters
+    (``gathered_bytes(units, ...)``) within one.
+
+    >>> sharded_fixed_bytes(400.0, 2.0, [100.0] * 4, DataParallelism(4, sharded=True), False)
+    1200.0
+    >>> sharded_fixed_bytes(400.0, 2.0, [100.0] * 4,
+    ...                     DataParallelism(4, sharded=True, reshard_after_forward=True), False)
+    900.0
+    """
+    whole = (2 + optimizer_factor) * parameters
+    if not (data_parallel.sharded and data_parallel.active):
+        return whole
+    return (whole / data_parallel.replicas + parameters
+            + gathered_bytes(units, data_parallel.reshard_after_forward, split_backward))
 
 
 def held_microbatches(

@@ -15,6 +15,12 @@ Simulating them all is the slow part, so candidates are visited in order of a
 lower bound on their makespan (``plan_costs.makespan_lower_bound``, no
 simulation), and the search stops once the bound passes the fastest fitting
 plan found: the answer is the one an exhaustive search gives (``prune=False``).
+
+With data-parallel replicas (``data_parallel=``) each candidate's stages hold what the
+replicas hold (``memory.sharded_fixed_bytes``: FSDP shards divide parameters, gradients
+and optimizer state by the replicas and add the gathered working set) and its step pays
+their collectives (``plan_replicas.replicas_costs``); the bound ignores those, so it stays
+a lower bound.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from types import MappingProxyType
 from typing import Any
 
 from partitioners.errors import MemoryLimitError
+from partitioners.memory import NO_REPLICAS, DataParallelism
 from partitioners.plan_costs import (
     Hop,
     candidate_costs,
@@ -34,6 +41,7 @@ from partitioners.plan_costs import (
     microbatch_scale,
     recomputed_flags,
 )
+from partitioners.plan_replicas import replicas_costs, with_step_collectives
 from partitioners.plan_cuts import memory_capped_cut, time_cut
 from partitioners.plan_space import (
     CostSource,
@@ -134,6 +142,7 @@ def plan(
     optimizer_factor: float = 0.0,
     action_overhead: float = 0.0,
     prune: bool = True,
+    data_parallel: DataParallelism | None = None,
 ) -> Plan:
     """The fastest predicted plan whose every stage fits ``memory_limit``.
 
@@ -177,6 +186,12 @@ def plan(
             makes more micro-batches and more chunks cost what they do.
         prune: skip candidates whose makespan bound exceeds the best found; False
             simulates every candidate (same pick, all of them in ``candidates``).
+        data_parallel: how each stage's replicas hold it (``DataParallelism``: their
+            count, FSDP shards or whole copies, ``reshard_after_forward``, the hop
+            between them); None: no replicas. Memory per stage then is
+            ``memory.sharded_fixed_bytes`` plus activations, and the step adds the
+            replicas' all-gathers, reduce-scatters or all-reduces
+            (``plan_replicas.replicas_costs``).
 
     Returns:
         The Plan.
@@ -190,8 +205,12 @@ def plan(
     _check_counts(stages, batch)
     if not (isinstance(action_overhead, (int, float)) and 0 <= action_overhead < math.inf):
         raise ValueError(f"action_overhead: expected seconds >= 0, got {action_overhead!r}")
+    if data_parallel is not None and not isinstance(data_parallel, DataParallelism):
+        raise TypeError(f"data_parallel: expected a DataParallelism or None, got "
+                        f"{data_parallel!r}")
     search = _Search(CostTable(costs), stages, batch, check_limit(memory_limit),
-                     0.0 if hop is None else hop, optimizer_factor, float(action_overhead))
+                     0.0 if hop is None else hop, optimizer_factor, float(action_overhead),
+                     data_parallel or NO_REPLICAS)
     names = check_names(schedules)
     modes = check_checkpoints(checkpoints)
     counts = microbatch_counts_for(costs, stages, batch, microbatch_counts)
@@ -247,9 +266,17 @@ class _Search:
     """One planning run: the inputs, and its cuts, each computed once."""
 
     def __init__(self, table: CostTable, stages: int, batch: int, limit: float | None,
-                 hop: Hop, optimizer_factor: float, overhead: float) -> None:
+                 hop: Hop, optimizer_factor: float, overhead: float,
+                 data_parallel: DataParallelism = NO_REPLICAS) -> None:
         self.table, self.stages, self.batch, self.limit = table, stages, batch, limit
         self.hop, self.optimizer_factor, self.overhead = hop, optimizer_factor, overhead
+        self.data_parallel = data_parallel
+        # The memory-capped cut's linear model charges (2 + factor) x parameter bytes; FSDP
+        # shards hold (2 + optimizer) / replicas of them plus whole gradients and, at most,
+        # every unit gathered: 2 more (never less than the simulator's figure).
+        sharded = data_parallel.sharded and data_parallel.active
+        self.cut_factor = ((2 + optimizer_factor) / data_parallel.replicas if sharded
+                           else optimizer_factor)
         self._cuts: dict[tuple[int, int], tuple[int, ...]] = {}
         self._memory_cuts: dict[tuple[int, tuple[float, ...], str], tuple[int, ...]] = {}
 
@@ -324,7 +351,7 @@ class _Search:
         key = (self.rows(entry.microbatches), counts, entry.checkpoint)
         if key not in self._memory_cuts:
             self._memory_cuts[key] = memory_capped_cut(
-                self.table.at(key[0]), counts, self.limit or 0.0, self.optimizer_factor,
+                self.table.at(key[0]), counts, self.limit or 0.0, self.cut_factor,
                 entry.checkpoint)
         return self._memory_cuts[key]
 
@@ -335,7 +362,10 @@ class _Search:
         costs = candidate_costs(sums, microbatch_scale(self.batch, entry.microbatches),
                                 entry.checkpoint, self.hop, self.optimizer_factor,
                                 schedule.placement)
-        timeline = simulate(schedule, costs=costs)
+        costs, collectives = replicas_costs(costs, sums, schedule, self.data_parallel, self.hop,
+                                            self.optimizer_factor)
+        timeline = with_step_collectives(simulate(schedule, costs=costs), costs, schedule,
+                                         collectives)
         peak = timeline.peak_bytes or (0.0,) * self.stages
         fits = self.limit is None or max(peak) <= self.limit
         return Candidate(entry.name, dict(entry.options), entry.microbatches, entry.balance,

@@ -14,7 +14,8 @@ save it (the runtime keeps it until the backward all the same); ``weight_bytes``
 what stays from I to W (``weight_bytes_of``); ``input_bytes`` is the activation it receives,
 the output of the layer before it: what a recomputed micro-batch keeps, and the
 payload of its hops. The first chunk's input is the caller's batch, already in
-memory whatever the pipeline does, so it counts 0.
+memory whatever the pipeline does, so it counts 0. What data-parallel replicas add
+(ring collectives) is ``partitioners.plan_replicas``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class ChunkSums:
         inputs: bytes of the activation it receives (0 for the first chunk).
         ties: ``(chunk, earlier chunk, bytes)``: parameters a chunk uses that an earlier
             chunk holds (``LayerCost.tied``); a stage without that chunk holds a copy.
+        units: per chunk, the parameter bytes of each of its layers that holds some (an
+            FSDP unit each).
     """
 
     forward: tuple[float, ...]
@@ -64,6 +67,7 @@ class ChunkSums:
     inputs: tuple[int, ...]
     ties: tuple[tuple[int, int, int], ...] = ()
     weight: tuple[int, ...] = ()
+    units: tuple[tuple[int, ...], ...] = ()
 
 
 def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
@@ -83,6 +87,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
                  if chunk_of[origin] != chunk_of[layer])
     fields: dict[str, list[float]] = {name: [] for name in ("F", "B", "I", "W")}
     saved, params, inputs, weight = [], [], [], []
+    units: list[tuple[int, ...]] = []
     for first, end in zip(ends, ends[1:]):
         layers = costs[first:end]
         forward = sum(cost.forward for cost in layers)
@@ -103,6 +108,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         saved.append(saved_bytes_of(layers) + unsaved)
         weight.append(weight_bytes_of(layers))
         params.append(sum(cost.param_bytes for cost in layers))
+        units.append(tuple(cost.param_bytes for cost in layers if cost.param_bytes))
         inputs.append(received)
     if loss is not None:
         _charge_loss(fields, loss)
@@ -110,7 +116,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
     return ChunkSums(
         tuple(fields["F"]), tuple(fields["B"]), tuple(fields["I"]), tuple(fields["W"]),
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
-        weight=tuple(weight),
+        weight=tuple(weight), units=tuple(units),
     )
 
 
@@ -144,15 +150,20 @@ def stage_params(sums: ChunkSums, placement: Sequence[int]) -> tuple[int, ...]:
     copy of them, once per stage and earlier chunk (``ChunkSums.ties``).
     """
     params = list(sums.params)
+    for chunk, nbytes in tied_copies(sums, placement):
+        params[chunk] += nbytes
+    return tuple(params)
+
+
+def tied_copies(sums: ChunkSums, placement: Sequence[int]) -> list[tuple[int, int]]:
+    """``(chunk charged, bytes)`` of each copy of a tied parameter a stage holds."""
     copies: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, origin): (chunk, bytes)
     for chunk, origin, nbytes in sums.ties:
         stage = placement[chunk]
         if placement[origin] != stage:
             charged, most = copies.get((stage, origin), (chunk, 0))
             copies[(stage, origin)] = (charged, max(most, nbytes))
-    for chunk, nbytes in copies.values():
-        params[chunk] += nbytes
-    return tuple(params)
+    return list(copies.values())
 
 
 def candidate_costs(

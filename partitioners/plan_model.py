@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from partitioners.memory import DataParallelism
 from partitioners.plan import CHECKPOINTS, Plan, plan
 from partitioners.plan_costs import Hop
 
@@ -28,6 +29,7 @@ def plan_for_model(
     warmup: int = 1,
     repeat: int = 3,
     prune: bool = True,
+    data_parallel: DataParallelism | None = None,
 ) -> Plan:
     """Profile ``model`` at each micro-batch size the search needs, then ``plan``.
 
@@ -44,7 +46,7 @@ def plan_for_model(
         stages: pipeline stages P.
         batch: rows per step; None: the sample's rows.
         memory_limit, hop, microbatch_counts, schedules, checkpoints,
-            optimizer_factor, action_overhead: as for ``plan``.
+            optimizer_factor, action_overhead, data_parallel: as for ``plan``.
         devices: the stages' devices; profiling runs on the first (None: cpu).
         warmup, repeat: as for ``profile``.
         prune: as for ``plan`` (False: every candidate simulated, e.g. to draw them all).
@@ -75,4 +77,4 @@ def plan_for_model(
 
     return plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
                 checkpoints, optimizer_factor=optimizer_factor,
-                action_overhead=action_overhead, prune=prune)
+                action_overhead=action_overhead, prune=prune, data_parallel=data_parallel)

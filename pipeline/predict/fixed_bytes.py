@@ -1,5 +1,13 @@
 """What a pipeline stage holds throughout a step beside activations: parameters, their
-gradients, the optimizer's state and its transport's receive buffers."""
+gradients, the optimizer's state and its transport's receive buffers.
+
+Bytes are this rank's own: a parameter sharded by FSDP2 (a DTensor) counts its local
+shard, and so do its gradient and the optimizer's state for it. A sharded stage also
+holds, within a step, its parameters whole (gathered; with ``reshard_after_forward``
+only the units in use, ``partitioners.memory.gathered_bytes``) and their gradients
+whole, which accumulate unsharded until the step's one reduce-scatter (the runner's
+``Sharding``). Whole copies (``"replicate"``) hold what a stage alone does.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +19,11 @@ import torch
 from schedules import Schedule
 from schedules.dependencies import crossings
 
+from partitioners.memory import gathered_bytes
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.payloads.values import crossing
 from pipeline.predict.probe import ChunkCosts
+from pipeline.runtime.data_parallel import NOT_SHARDED, Sharding, local_part
 from pipeline.runtime.runner import Runner
 
 
@@ -23,26 +33,42 @@ class FixedBytes:
     """What a stage holds throughout a step, beside activations.
 
     Attributes:
-        parameters: bytes of its parameters (a parameter its chunks share counted once).
-        gradients: bytes of the gradients of those that require grad.
-        optimizer: bytes of the optimizer's state for them (0 without an optimizer).
+        parameters: bytes of its parameters (a parameter its chunks share counted once;
+            this rank's shard of a sharded one).
+        gradients: bytes of the gradients of those that require grad (sharded alike).
+        optimizer: bytes of the optimizer's state for them (0 without an optimizer;
+            sharded alike).
         buffers: receive buffers its transport keeps for incoming payloads.
+        gathered: sharded stages: bytes of whole parameters gathered at once in a step.
+        unsharded_gradients: sharded stages: bytes of the whole gradients a step
+            accumulates before reducing them to the shards.
     """
 
     parameters: int
     gradients: int
     optimizer: int
     buffers: int
+    gathered: int = 0
+    unsharded_gradients: int = 0
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.buffers
+        """Bytes held throughout a step."""
+        return self.between_steps + self.buffers + self.gathered + self.unsharded_gradients
+
+    @property
+    def between_steps(self) -> int:
+        """Parameters, gradients and optimizer state: what the stage keeps between steps."""
+        return self.parameters + self.gradients + self.optimizer
 
 
 def fixed_bytes(runner: Runner, optimizer: torch.optim.Optimizer | None,
                 measured: dict[int, ChunkCosts]) -> dict[int, FixedBytes]:
-    """Per local stage: parameters, gradients, optimizer state and receive buffers."""
+    """Per local stage: parameters, gradients, optimizer state and receive buffers (this
+    rank's shards of them), and what a sharded stage gathers within a step. Read between
+    steps (the parameters sharded)."""
     schedule: Schedule = runner.schedule
+    sharding: Sharding = getattr(runner, "sharding", NOT_SHARDED)
     by_stage: dict[int, list[ChunkRunner]] = {}
     for index, chunk in runner.chunks.items():
         by_stage.setdefault(schedule.placement[index], []).append(chunk)
@@ -54,11 +80,34 @@ def fixed_bytes(runner: Runner, optimizer: torch.optim.Optimizer | None,
             gradients=sum(_nbytes(p) for p in parameters if p.requires_grad),
             optimizer=optimizer_state_bytes(optimizer, parameters),
             buffers=_receive_buffers(runner, stage, measured),
+            **_within_step(sharding, parameters, bool(schedule.split_backward)),
         )
     return found
 
 
+def _within_step(sharding: Sharding, parameters: Sequence[torch.Tensor],
+                 split_backward: bool) -> dict[str, int]:
+    """A sharded stage's gathered parameters and unsharded gradients (whole sizes); none
+    otherwise. The units' element counts take the stage's mean bytes per element."""
+    if not (sharding.sharded and sharding.replicas > 1):
+        return {}
+    elements = sum(p.numel() for p in parameters)
+    whole = sum(_whole_bytes(p) for p in parameters)
+    per_element = whole / elements if elements else 0.0
+    units = [count * per_element for count in sharding.units]
+    return {
+        "gathered": round(gathered_bytes(units, sharding.reshard_after_forward, split_backward)),
+        "unsharded_gradients": sum(_whole_bytes(p) for p in parameters if p.requires_grad),
+    }
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of ``tensor``: a DTensor's local shard, else all of it."""
+    return _whole_bytes(local_part(tensor))
+
+
+def _whole_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole tensor (a DTensor's global size)."""
     return tensor.numel() * tensor.element_size()
 
 

@@ -1,18 +1,35 @@
-"""What the runtime adds to a step beside compute and hops: the executor's cost per action, and
-hops refined from the delays a measured step shows. ``Pipe.predict`` reads both.
+"""What the runtime adds to a step beside compute and hops: the executor's cost per action,
+hops refined from the delays a measured step shows, and the data-parallel replicas'
+collectives. ``Pipe.predict`` reads all three.
+
+The replicas' collectives are priced as rings (``partitioners.plan_replicas.ring_seconds``:
+``(replicas - 1) x (latency + bytes / replicas / bandwidth)`` per all-gather or
+reduce-scatter, twice that per all-reduce) over a ``Link`` between replicas. That link
+is measured here, not taken from ``runner.hops``: those links join neighbouring
+*stages* (ranks of the pipeline's group), none of which is a replica of this one; in a
+3D layout the two kinds of pair often sit on different fabrics (replicas inside a node
+and stages across, or the reverse), and with one stage there is no hop at all. So
+``replicas_link`` runs the very ping-pong that calibrated ``runner.hops``
+(``pipeline.group.links.calibrate_group``, same sizes and rounds) between neighbouring
+replicas of the stage, over its data-parallel group, and keeps the slowest pair: a
+ring moves at its slowest hop.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from schedules import Link, Schedule
+from partitioners.plan_replicas import StepCollectives, gathers_per_action, ring_seconds, with_gathers
+from schedules import Costs, Link, Op, Schedule
 
 from pipeline.group.hops import HopModel
+from pipeline.runtime.data_parallel import NOT_SHARDED, Sharding
 
 
 # -- the executor's own cost per action ------------------------------------------------------
@@ -114,3 +131,114 @@ def refined(hops: HopModel, delay: float, payload: float) -> HopModel:
                                   - hops.send_seconds(s, d, payload), 1e-9), link.bandwidth))
                   for s, d, link in hops.links)
     return HopModel(links, f"{hops.method}, refined from a measured step", hops.senders)
+
+
+# -- the data-parallel replicas' collectives -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """One stage's data-parallel collectives in a step, in seconds (all 0 without replicas).
+
+    Attributes:
+        gathers: ``(chunk, seconds)``: all-gathering every FSDP unit of the chunk once
+            (a stage's units shared among its chunks by parameter count).
+        reduce: after the stage's last backward, reducing its gradients: one
+            reduce-scatter per unit (FSDP), or one all-reduce per parameter (whole copies).
+        per_action: units are gathered again for every forward and backward that finds
+            them freed (``reshard_after_forward``), not once per step.
+
+    Plain data across ranks: ``Collectives(*fields)`` rebuilds one from ``fields``.
+    """
+
+    gathers: tuple[tuple[int, float], ...] = ()
+    reduce: float = 0.0
+    per_action: bool = False
+
+    @property
+    def fields(self) -> tuple[tuple[tuple[int, float], ...], float, bool]:
+        """``(gathers, reduce, per_action)``, as they cross ranks."""
+        return self.gathers, self.reduce, self.per_action
+
+
+def replicas_link(runner: Any, timeout: float) -> Link | None:
+    """The slowest hop between neighbouring replicas of this rank's stage (see the module
+    docstring), or None without replicas. Every replica must call it at the same point."""
+    group = getattr(runner, "data_group", None)
+    sharding: Sharding = getattr(runner, "sharding", NOT_SHARDED)
+    if group is None or sharding.replicas < 2:
+        return None
+    from schedules import get_schedule
+
+    from pipeline.group.links import calibrate_group
+
+    chain = get_schedule("1f1b", stages=sharding.replicas, microbatches=sharding.replicas)
+    device = runner.chunks[next(iter(runner.chunks))].device
+    links = [link for _, _, link in calibrate_group(group, chain, device, timeout).links]
+    return Link(max(link.latency for link in links), min(link.bandwidth for link in links))
+
+
+def stage_collectives(runner: Any, link: Link | None) -> dict[int, Collectives]:
+    """Per local stage, its ``Collectives`` over ``link`` (zero without one). Read between
+    steps, the parameters sharded (a DTensor's ``numel`` is its whole size)."""
+    schedule: Schedule = runner.schedule
+    sharding: Sharding = getattr(runner, "sharding", NOT_SHARDED)
+    found: dict[int, Collectives] = {}
+    for stage in {schedule.placement[c] for c in runner.chunks}:
+        owned = [c for c in schedule.chunks_of_stage[stage] if c in runner.chunks]
+        if link is None or sharding.replicas < 2:
+            found[stage] = Collectives()
+            continue
+        params = {c: list(runner.chunks[c].layers.parameters()) for c in owned}
+        if not sharding.sharded:  # whole copies: an all-reduce per parameter gradient
+            tensors = {id(p): p for c in owned for p in params[c] if p.requires_grad}
+            reduce = sum(2 * ring_seconds(p.numel() * p.element_size(), sharding.replicas, link)
+                         for p in tensors.values())
+            found[stage] = Collectives((), reduce)
+            continue
+        per_element = _bytes_per_element([p for c in owned for p in params[c]])
+        units = sum(ring_seconds(n * per_element, sharding.replicas, link)
+                    for n in sharding.units)
+        counts = {c: sum(p.numel() for p in params[c]) for c in owned}
+        total = sum(counts.values()) or 1
+        found[stage] = Collectives(tuple((c, units * counts[c] / total) for c in owned), units,
+                                   sharding.reshard_after_forward)
+    return found
+
+
+def _bytes_per_element(parameters: Sequence[torch.Tensor]) -> float:
+    elements = sum(p.numel() for p in parameters)
+    return sum(p.numel() * p.element_size() for p in parameters) / elements if elements else 0.0
+
+
+def in_actions(schedule: Schedule, found: dict[int, Collectives]) -> tuple[float, ...]:
+    """Per stage, seconds of collectives inside its actions in a step (what a measured busy
+    time holds beside compute): the gathers, once each or as often as the schedule frees
+    the units (recomputed forwards' gathers left out)."""
+    shares = gathers_per_action(schedule)
+    seconds = [0.0] * schedule.stages
+    for stage, collectives in found.items():
+        for chunk, gather in collectives.gathers:
+            if not collectives.per_action:
+                seconds[stage] += gather
+                continue
+            ops = [a.op for a in schedule.order[stage] if a.chunk == chunk and a.op is not Op.W]
+            seconds[stage] += gather * sum(shares[chunk][op] for op in ops)
+    return tuple(seconds)
+
+
+def replicas_step(costs: Costs, schedule: Schedule, found: dict[int, Collectives]
+                  ) -> tuple[Costs, StepCollectives]:
+    """``costs`` with the gathers that happen inside actions (``reshard_after_forward``),
+    and the collectives outside them: the gathers once per step before, each stage's
+    reduction after (``partitioners.plan_replicas.with_step_collectives`` places them)."""
+    gather = [0.0] * schedule.chunks
+    for collectives in found.values():
+        for chunk, seconds in collectives.gathers:
+            gather[chunk] = seconds
+    last = tuple(found[stage].reduce if stage in found else 0.0
+                 for stage in range(schedule.stages))
+    per_action = any(collectives.per_action for collectives in found.values())
+    if per_action:
+        return with_gathers(costs, gather, gathers_per_action(schedule)), StepCollectives(0.0, last)
+    return costs, StepCollectives(sum(gather), last)

@@ -10,6 +10,13 @@ the size the step will run. What a training step would change is put back:
 parameter ``.grad`` (set aside, then restored), buffers such as BatchNorm's
 running statistics (copied, then written back), and the global RNG state
 (forked). Parameters are never written: no optimizer runs.
+
+A stage sharded by FSDP2 is probed with every unit gathered
+(``runner.data_parallel.gathered()``, which ``predict.step`` enters): probes and
+contention loops then run no collective (a loop timed by the clock would run a count of
+them that differs between replicas, and wait forever), time compute alone (what the
+replicas' collectives cost is modelled apart, ``pipeline.predict.overheads``), and count
+saved bytes against the gathered parameters they alias.
 """
 
 from __future__ import annotations

@@ -14,6 +14,15 @@ Memory beside it, per stage: parameters, their gradients, the optimizer's
 state (when one is given), receive buffers, and the activations the schedule
 holds (each chunk's saved bytes per micro-batch in flight, or only its input
 for a recomputed one), as ``schedules.simulate`` traces them.
+
+With data-parallel replicas, the bytes are this rank's shards plus what a sharded stage
+gathers within a step (``pipeline.predict.fixed_bytes``), and the step pays the
+replicas' collectives (``pipeline.predict.overheads``): FSDP's all-gathers at each unit's
+first forward (micro-batch 0's way through the chunks) and reduce-scatters after each
+stage's last backward, or with ``reshard_after_forward`` a gather on every forward and
+backward that finds the unit freed; whole copies' all-reduces after the last backward.
+Sharded chunks are probed gathered (``runner.data_parallel.gathered()``), so that their measured costs
+are compute alone.
 """
 
 from __future__ import annotations
@@ -34,8 +43,18 @@ from pipeline.group.hops import HopModel
 from pipeline.group.ranks import OneProcess, Ranks
 from pipeline.payloads.tree import from_wire, map_tensors, to_wire
 from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
+from partitioners.plan_replicas import with_step_collectives
 from pipeline.predict.fixed_bytes import FixedBytes, fixed_bytes
-from pipeline.predict.overheads import action_overhead, measured_hop_delay, refined
+from pipeline.predict.overheads import (
+    Collectives,
+    action_overhead,
+    in_actions,
+    measured_hop_delay,
+    refined,
+    replicas_link,
+    replicas_step,
+    stage_collectives,
+)
 from pipeline.predict.probe import ChunkCosts, probe_chunk
 from pipeline.runtime.runner import Runner
 
@@ -54,6 +73,9 @@ class Prediction:
         contention: per stage, how much slower its chunks computed with every stage
             computing at once than alone (``pipeline.predict.contention``); 1.0 where stages
             do not share cores.
+        collectives: per stage, its data-parallel collectives (``overheads.Collectives``).
+        collective_seconds: per stage, the seconds its data-parallel collectives take in
+            the step (gathers and reductions; all 0 without replicas).
     """
 
     timeline: Timeline
@@ -63,6 +85,8 @@ class Prediction:
     overhead: tuple[float, ...]
     hops: HopModel
     contention: tuple[float, ...] = ()
+    collectives: tuple[Collectives, ...] = ()
+    collective_seconds: tuple[float, ...] = ()
 
     @property
     def peak_activation_bytes(self) -> tuple[float, ...]:
@@ -83,9 +107,13 @@ def predict_step(
 ) -> Prediction:
     """Measure this runner's chunks, gather every stage's costs and simulate the step.
 
+    With data-parallel replicas every rank of the mesh calls it at once: a stage's
+    replicas calibrate the hop between them and, sharded, gather their units together.
+
     Args:
         runner: a ``LocalRunner`` or ``DistRunner`` (its ``chunks``, ``schedule``,
-            ``hops``, and with a group its ``transport``).
+            ``hops``, and with a group its ``transport``; with replicas its
+            ``sharding``, ``data_group`` and ``data_parallel``).
         inputs: the micro-batches of ``x`` (where the first chunk runs), else None.
         targets: the micro-batches of the target (where the last chunk runs), else None.
         optimizer: counted for its state (Adam: two tensors per parameter).
@@ -111,28 +139,46 @@ def predict_step(
     stages_here = len({schedule.placement[c] for c in runner.chunks})
     rows = _rows(inputs, targets, ranks, device)
     largest = max(range(len(rows)), key=lambda m: rows[m])
-    local, failure, work = _measure_chunks(runner, inputs, targets, largest, ranks, device)
-    factor, failure = _contention(runner, work, failure, ranks, device, stages_here)
+    link = replicas_link(runner, ranks.timeout)  # every replica, before anything fails
+    with runner.data_parallel.gathered():
+        local, failure, work = _measure_chunks(runner, inputs, targets, largest, ranks, device)
+        factor, failure = _contention(runner, work, failure, ranks, device, stages_here)
     overhead = action_overhead(device)
     fixed_local = fixed_bytes(runner, optimizer, local)
     delay, busy = _from_measured(schedule, measured)
-    chunks, overheads, fixed, delay, busy, factors = _gather(
-        (local, (overhead,) * stages_here, fixed_local, failure, delay, busy, factor), ranks,
-        device)
+    chunks, overheads, fixed, delay, busy, factors, found = _gather(
+        (local, (overhead,) * stages_here, fixed_local, failure, delay, busy, factor,
+         {s: c.fields for s, c in stage_collectives(runner, link).items()}), ranks, device)
     hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
         hops = refined(hops, delay, sum(payloads) / max(len(payloads), 1))
     costs = build_costs(schedule, chunks, overheads, fixed, hops, rows,
                         runner.chunks[next(iter(runner.chunks))].options.checkpoint)
-    costs, timeline = contended(costs, schedule, factors)
-    if busy is not None:
-        costs = slowed(costs, schedule, [b / p if p > 0 else 1.0
-                                         for b, p in zip(busy, timeline.busy)])
-        timeline = simulate(schedule, costs=costs)
+    costs, timeline, seconds = _simulated(schedule, costs, factors, busy, found)
+    stages = range(schedule.stages)
     return Prediction(timeline, costs, tuple(chunks[c] for c in range(schedule.chunks)),
-                      tuple(fixed[s] for s in range(schedule.stages)), overheads, hops,
-                      tuple(factors))
+                      tuple(fixed[s] for s in stages), overheads, hops, tuple(factors),
+                      tuple(found.get(s, Collectives()) for s in stages), seconds)
+
+
+def _simulated(schedule: Schedule, costs: Costs, factors: Sequence[float],
+               busy: tuple[float, ...] | None, found: dict[int, Collectives]
+               ) -> tuple[Costs, Timeline, tuple[float, ...]]:
+    """The costs and the timeline: slowed by contention, scaled to the measured busy times
+    (less the collectives inside actions, which they hold), with the replicas' collectives;
+    and per stage the seconds of those collectives."""
+    costs, timeline = contended(costs, schedule, factors)
+    inside = in_actions(schedule, found)
+    if busy is not None:
+        costs = slowed(costs, schedule, [max(b - i, 0.0) / p if p > 0 else 1.0
+                                         for b, i, p in zip(busy, inside, timeline.busy)])
+        timeline = simulate(schedule, costs=costs)
+    gathering, outside = replicas_step(costs, schedule, found)
+    if gathering is not costs:  # gathers on the actions: simulated again
+        costs, timeline = gathering, simulate(schedule, costs=gathering)
+    timeline = with_step_collectives(timeline, costs, schedule, outside)
+    return costs, timeline, tuple(i + o for i, o in zip(inside, outside.last))
 
 
 def _from_measured(schedule: Schedule, measured: Timeline | Sequence[Timeline] | None
@@ -300,22 +346,25 @@ def _any_device(runner: Runner) -> torch.device:
 
 def _gather(mine: tuple[Any, ...], ranks: Ranks, device: torch.device
             ) -> tuple[dict[int, ChunkCosts], tuple[float, ...], dict[int, FixedBytes],
-                       float | None, tuple[float, ...] | None, tuple[float, ...]]:
+                       float | None, tuple[float, ...] | None, tuple[float, ...],
+                       dict[int, Collectives]]:
     """Every rank's (costs, overhead, fixed bytes, failure, hop delay, measured busy time,
-    contention factors) on every rank: the chunks' costs, the overheads by stage, the fixed
-    bytes, the first hop delay and busy times measured, the contention factors by stage; a
-    failure raises on all of them."""
+    contention factors, collectives) on every rank: the chunks' costs, the overheads by
+    stage, the fixed bytes, the first hop delay and busy times measured, the contention
+    factors by stage, the collectives by stage; a failure raises on all of them."""
     everyone = ranks.gather(mine, "gathering the measured costs for predict()", device)
     failures = [f"rank {rank}: {entry[3]}" for rank, entry in enumerate(everyone) if entry[3]]
     if failures:
         raise ValueError(f"predict() failed while measuring the chunks: {failures[0]}")
     measured: dict[int, ChunkCosts] = {}
     all_fixed: dict[int, FixedBytes] = {}
-    for costs, _, stage_fixed, _, _, _, _ in everyone:
+    collectives: dict[int, Collectives] = {}
+    for costs, _, stage_fixed, _, _, _, _, collected in everyone:
         measured.update(costs)
         all_fixed.update(stage_fixed)
+        collectives.update({s: Collectives(*fields) for s, fields in collected.items()})
     delays = [entry[4] for entry in everyone if entry[4] is not None]
     busy = [entry[5] for entry in everyone if entry[5] is not None]
     return (measured, tuple(o for entry in everyone for o in entry[1]), all_fixed,
             delays[0] if delays else None, busy[0] if busy else None,
-            tuple(factor for entry in everyone for factor in entry[6]))
+            tuple(factor for entry in everyone for factor in entry[6]), collectives)

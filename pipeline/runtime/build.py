@@ -43,10 +43,9 @@ def _data_parallel(distributed: Distributed, device: torch.device,
                    timeout: float, split_backward: bool) -> DataParallel:
     """How this stage's data-parallel replicas share it (``Distributed.data_parallel``)."""
     if distributed.data_group is None:
-        return Alone(distributed.group)
+        return Alone()
     if distributed.data_parallel == "fsdp":
         mesh = distributed.data_mesh(device.type)
         assert mesh is not None
-        return FullyShard(distributed.group, mesh, distributed.reshard_after_forward,
-                          split_backward)
-    return Replicate(distributed.group, distributed.data_group, timeout)
+        return FullyShard(mesh, distributed.reshard_after_forward, split_backward)
+    return Replicate(distributed.data_group, timeout)

@@ -33,7 +33,8 @@ torch this project pins).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,6 +96,8 @@ class DataParallel(Protocol):
 
     def begin_forward_only(self) -> None: ...
 
+    def gathered(self) -> AbstractContextManager[None]: ...
+
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None: ...
 
     def abandon_step(self) -> None: ...
@@ -110,9 +113,6 @@ class DataParallel(Protocol):
 class Alone:
     """No replicas."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
     def shard(self, layers: Sequence[nn.Module]) -> None:
         pass
 
@@ -121,6 +121,9 @@ class Alone:
 
     def begin_forward_only(self) -> None:
         pass
+
+    def gathered(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
         pass
@@ -142,9 +145,7 @@ class Alone:
 class Replicate(Alone):
     """Each replica holds the whole stage; gradients are averaged after each step."""
 
-    def __init__(self, group: dist.ProcessGroup, data_group: dist.ProcessGroup,
-                 timeout: float) -> None:
-        super().__init__(group)
+    def __init__(self, data_group: dist.ProcessGroup, timeout: float) -> None:
         self.data_group = data_group
         self.timeout = timeout
 
@@ -164,9 +165,8 @@ class Replicate(Alone):
 class FullyShard(Alone):
     """Each replica holds a 1/dp shard of every local layer (FSDP2), gathered per step."""
 
-    def __init__(self, group: dist.ProcessGroup, mesh: DeviceMesh,
-                 reshard_after_forward: bool, split_backward: bool = False) -> None:
-        super().__init__(group)
+    def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
+                 split_backward: bool = False) -> None:
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         # After a whole backward the unit's gathered parameters are done with until its next
@@ -174,6 +174,7 @@ class FullyShard(Alone):
         self.reshard_after_backward = reshard_after_forward and not split_backward
         self.units: list[FSDPModule] = []
         self.held: list[FSDPModule] = []  # units gathered by hand: layers sharing parameters
+        self.keep_gathered = False  # set while a probe runs: no hook frees a unit
 
     def shard(self, layers: Sequence[nn.Module]) -> None:
         for modules in sharing_units(layers):
@@ -181,13 +182,36 @@ class FullyShard(Alone):
                 fully_shard(modules[0], mesh=self.mesh, reshard_after_forward=False)
                 unit = _as_unit(modules[0])
                 if self.reshard_after_forward:
-                    modules[0].register_forward_hook(_resharding(unit))
+                    modules[0].register_forward_hook(self._resharding(unit))
             else:
                 holder = _holder(modules)
                 fully_shard(holder, mesh=self.mesh, reshard_after_forward=False)
                 unit = _as_unit(holder)
                 self.held.append(unit)
             self.units.append(unit)
+
+    def _resharding(self, unit: FSDPModule):  # type: ignore[no-untyped-def]
+        def reshard(module: nn.Module, inputs: object, outputs: object) -> None:
+            if not self.keep_gathered:
+                unit.reshard()
+        return reshard
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered, and kept so, for the body (a probe's forwards and
+        backwards, which every replica runs alike); no gradient is reduced. Afterwards the
+        gathered parameters and what they accumulated are dropped; the sharded ``.grad``
+        of earlier steps is kept."""
+        self.begin_step()
+        self.keep_gathered = True
+        try:
+            for unit in self.units:
+                unit.set_reshard_after_backward(False)
+                unit.unshard()
+            yield
+        finally:
+            self.keep_gathered = False
+            self.abandon_step()
 
     def begin_forward_only(self) -> None:
         for unit in self.held:
@@ -283,12 +307,6 @@ def _holder(modules: Sequence[nn.Module]) -> nn.Module:
     for position, module in enumerate(modules):
         holder.add_module(str(position), module)
     return holder
-
-
-def _resharding(unit: FSDPModule):  # type: ignore[no-untyped-def]
-    def reshard(module: nn.Module, inputs: object, outputs: object) -> None:
-        unit.reshard()
-    return reshard
 
 
 def _as_unit(module: nn.Module) -> FSDPModule:

@@ -79,7 +79,7 @@ class DistRunner:
     ) -> None:
         self.group = group
         self.data_group = data_group
-        self.data_parallel = data_parallel if data_parallel is not None else Alone(group)
+        self.data_parallel = data_parallel if data_parallel is not None else Alone()
         self.tp_mesh = tensor_parallel[1] if tensor_parallel is not None else None
         self.schedule = schedule
         self.device = device

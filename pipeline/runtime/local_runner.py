@@ -19,7 +19,7 @@ from pipeline.compute.microbatch import to_device
 from pipeline.compute.slicing import build_chunks
 from pipeline.group.links import calibrate_local
 from pipeline.runtime.context import CallerState
-from pipeline.runtime.data_parallel import NOT_SHARDED
+from pipeline.runtime.data_parallel import NOT_SHARDED, Alone, DataParallel
 from pipeline.runtime.executor import StageResult, StepInputs, run_stage
 from pipeline.runtime.runner import (
     Plans,
@@ -85,6 +85,7 @@ class LocalRunner:
         ]
         self.memory: tuple[MemoryReport, ...] = ()
         self.sharding = NOT_SHARDED
+        self.data_parallel: DataParallel = Alone()  # one process: no replicas
         self.hops = calibrate_local(self.devices, schedule, timeout)  # for Pipe.predict
 
     def _stage_chunks(self, stage: int) -> dict[int, ChunkRunner]:

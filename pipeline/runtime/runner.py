@@ -16,7 +16,7 @@ from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.recompute import step_seed
 from pipeline.group.hops import HopModel
 from pipeline.payloads.tree import differentiable, flatten
-from pipeline.runtime.data_parallel import Sharding
+from pipeline.runtime.data_parallel import DataParallel, Sharding
 from pipeline.runtime.executor import StagePlan, StageResult
 
 
@@ -62,6 +62,7 @@ class Runner(Protocol):
             ``memory_report``; else empty).
         sharding: how this stage's data-parallel replicas hold it (``NOT_SHARDED`` in one
             process).
+        data_parallel: what the stage's replicas do together (``Alone`` in one process).
     """
 
     schedule: Schedule
@@ -69,6 +70,7 @@ class Runner(Protocol):
     hops: HopModel
     local_layers: list[int]
     memory: tuple[MemoryReport, ...]
+    data_parallel: DataParallel
 
     @property
     def sharding(self) -> Sharding: ...
