@@ -26,7 +26,7 @@ from pipeline.model_like import ModelLike
 from pipeline.runtime.build import build_runner
 from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.balancing import resolve_balance
-from pipeline.setup.coordination import choose_plan
+from pipeline.setup.coordination import choose_plan, replicas_of
 from pipeline.setup.options import (build_schedule, check_model, check_positive,
                                     chunks_per_stage, count_stages, resolve_devices)
 
@@ -147,10 +147,15 @@ class Pipe(ModelLike):
                                                        per_stage, group)
         self._devices = resolve_devices(devices, stage_count, group)
         self._plan: Any = None
+        # In a mesh, the replicas and tensor-parallel ranks of a stage must run one cut:
+        # the first rank of the whole mesh decides a plan or a measured balance for all.
+        self._deciders: Ranks = self._ranks if settings is None or settings.holders is group \
+            else RankGroup(settings.holders, timeout)
         if planning:
             self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
                                      (sample, sample_target, loss_fn), self._devices,
-                                     memory_limit, self._ranks)
+                                     memory_limit, self._ranks, self._deciders,
+                                     replicas_of(settings, self._devices[0], timeout))
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]
@@ -203,7 +208,7 @@ class Pipe(ModelLike):
         if not isinstance(self._balance_request, str):
             return resolve()
         # Measured balances differ from rank to rank: the first rank's is everyone's.
-        return self._ranks.decide(resolve, "balance")
+        return self._deciders.decide(resolve, "balance")
 
     def _ensure_runner(self, sample: Any) -> Runner:
         """The runner, built first where a 'time' balance waited for a batch."""

@@ -228,3 +228,17 @@ def _synced(payload: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return payload
+
+
+def slowest_link(group: ProcessGroup, device: torch.device, timeout: float) -> Link:
+    """The slowest hop between neighbouring ranks of ``group`` (data-parallel replicas: a
+    ring's step waits for its slowest hop), by ``calibrate_group`` over a chain of them.
+    Every rank of ``group`` calls it."""
+    import torch.distributed as dist
+
+    from schedules import get_schedule
+
+    size = dist.get_world_size(group)
+    chain = get_schedule("1f1b", stages=size, microbatches=size)
+    links = [link for _, _, link in calibrate_group(group, chain, device, timeout).links]
+    return Link(max(link.latency for link in links), min(link.bandwidth for link in links))

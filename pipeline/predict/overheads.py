@@ -164,18 +164,12 @@ class Collectives:
 def replicas_link(runner: Any, timeout: float) -> Link | None:
     """The slowest hop between neighbouring replicas of this rank's stage (see the module
     docstring), or None without replicas. Every replica must call it at the same point."""
-    group = getattr(runner, "data_group", None)
-    sharding: Sharding = getattr(runner, "sharding", NOT_SHARDED)
-    if group is None or sharding.replicas < 2:
+    group = runner.data_parallel.group
+    if group is None or runner.sharding.replicas < 2:
         return None
-    from schedules import get_schedule
+    from pipeline.group.links import slowest_link
 
-    from pipeline.group.links import calibrate_group
-
-    chain = get_schedule("1f1b", stages=sharding.replicas, microbatches=sharding.replicas)
-    device = runner.chunks[next(iter(runner.chunks))].device
-    links = [link for _, _, link in calibrate_group(group, chain, device, timeout).links]
-    return Link(max(link.latency for link in links), min(link.bandwidth for link in links))
+    return slowest_link(group, runner.chunks[next(iter(runner.chunks))].device, timeout)
 
 
 def stage_collectives(runner: Any, link: Link | None) -> dict[int, Collectives]:

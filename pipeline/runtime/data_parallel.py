@@ -88,7 +88,13 @@ def replication(tensor: torch.Tensor, sizes: dict[str, int]) -> int:
 
 
 class DataParallel(Protocol):
-    """What a stage's replicas do together."""
+    """What a stage's replicas do together.
+
+    Attributes:
+        group: the replicas' process group (None without replicas).
+    """
+
+    group: dist.ProcessGroup | None
 
     def shard(self, layers: Sequence[nn.Module]) -> None: ...
 
@@ -112,6 +118,8 @@ class DataParallel(Protocol):
 
 class Alone:
     """No replicas."""
+
+    group: dist.ProcessGroup | None = None
 
     def shard(self, layers: Sequence[nn.Module]) -> None:
         pass
@@ -146,6 +154,7 @@ class Replicate(Alone):
     """Each replica holds the whole stage; gradients are averaged after each step."""
 
     def __init__(self, data_group: dist.ProcessGroup, timeout: float) -> None:
+        self.group = data_group
         self.data_group = data_group
         self.timeout = timeout
 
@@ -168,6 +177,7 @@ class FullyShard(Alone):
     def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
                  split_backward: bool = False) -> None:
         self.mesh = mesh
+        self.group = mesh.get_group()
         self.reshard_after_forward = reshard_after_forward
         # After a whole backward the unit's gathered parameters are done with until its next
         # forward; after an I, the W to come may still read them.

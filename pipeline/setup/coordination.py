@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from schedules.checkpointing import CHECKPOINT_MODES, check_mode
+from pipeline.group.distributed import Distributed
 from pipeline.group.ranks import Ranks
 from pipeline.setup.options import check_positive
 
@@ -18,11 +19,15 @@ if TYPE_CHECKING:
 
 def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
                 samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
-                memory_limit: float | None, ranks: Ranks) -> Any:
+                memory_limit: float | None, ranks: Ranks,
+                deciders: Ranks | None = None, data_parallel: Any = None) -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
     rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
     is (a batch, its target or None, the loss function or None): with both of the last
-    two, the loss is profiled too."""
+    two, the loss is profiled too. ``ranks`` (the pipeline) calibrate the hop between
+    stages; ``deciders`` (default ``ranks``; in a mesh every rank of it, so that replicas
+    and tensor-parallel ranks run one plan) take their first rank's plan;
+    ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas."""
     sample, target, loss_fn = samples
     from partitioners import plan_for_model
 
@@ -51,9 +56,10 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
             schedules=None if schedule == "auto" else [schedule],
             checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
             else (check_mode(checkpoint),),
+            data_parallel=data_parallel,
         )
 
-    return ranks.decide(make, "planning")
+    return (deciders or ranks).decide(make, "planning")
 
 
 def _calibrated_hop(stages: int, devices: Sequence[torch.device], ranks: Ranks) -> Link | None:
@@ -66,3 +72,18 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], ranks: Ranks) 
         return None
     link: Link = ranks.calibrate(devices, get_schedule("1f1b", stages=stages, microbatches=stages))
     return link
+
+
+def replicas_of(settings: Distributed | None, device: torch.device, timeout: float) -> Any:
+    """A ``partitioners.DataParallelism`` for the plan: the data group's size, FSDP or not,
+    and the slowest hop between replicas (every replica calibrates it); None without."""
+    if settings is None or settings.data_group is None:
+        return None
+    import torch.distributed as dist
+
+    from partitioners.memory import DataParallelism
+    from pipeline.group.links import slowest_link
+
+    return DataParallelism(dist.get_world_size(settings.data_group),
+                           settings.data_parallel == "fsdp", settings.reshard_after_forward,
+                           slowest_link(settings.data_group, device, timeout))

@@ -480,3 +480,25 @@ def sharded_crossing(rank: int, world: int, schedules: Sequence[str]) -> list[fl
         found.append(worst(full_grads(model), expected))
         pipe.close()
     return found
+
+
+def auto_plan(rank: int, world: int) -> tuple[tuple[Any, ...], float, float]:
+    """``chunks="auto", schedule="auto"`` with FSDP on (pp, dp) = (2, 2), the sample on rank 0
+    only: the plan every rank runs (schedule, micro-batches, balance, checkpoint), and its
+    loss and gradient errors against the plain model on the union batch."""
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = mesh_of((2, 2))
+    x, y = replica_batch(mesh)
+    model = mesh_gpt()
+    expected_loss, expected = zoo.reference_grads(model, *union_batch(mesh), zoo.gpt_loss())
+    pipe = Pipe(model, "auto", schedule="auto", loss_fn=zoo.gpt_loss(), mesh=mesh,
+                data_parallel="fsdp", sample=x if rank == 0 else None,
+                sample_target=y if rank == 0 else None, timeout=60.0)
+    plan = pipe.plan
+    picked = (plan.schedule, plan.microbatches, tuple(plan.balance), plan.checkpoint)
+    loss = float(pipe.step(x, y))
+    error = worst(full_grads(model), expected)
+    pipe.close()
+    return picked, abs(loss - expected_loss), error

@@ -13,6 +13,7 @@ training loop exact; and resume a sharded checkpoint on every other layout.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,23 +60,42 @@ def test_eight_ranks_in_a_3d_mesh_are_exact_on_the_union_batch(
             assert compared > 0
 
 
-def test_fsdp_gathers_once_per_step_and_refuses_what_it_cannot_do() -> None:
-    """On (pp, dp) = (2, 2): the collectives counted by the profiler (each unit gathered
-    once and reduced once per step, even with every micro-batch recomputed; resharded
-    after each forward, gathered for each forward and each backward), exactness when
-    resharding, the errors for options the mesh cannot honour, and FSDP over the groups
-    of ``make_groups``."""
-    resharding = (("fsdp", "1f1b", "except_last"), ("fsdp", "zb-v", "except_last"))
-    for (units, counted), (units_again, recounted), rows, said, from_groups in run_ranks(
-        in_turn, 4, [("collectives", (False,)), ("collectives", (True,)),
-                     ("gpt_exact", ((2, 2), resharding, True)), ("refusals", ()),
-                     ("groups_fsdp", ())]):
+RESHARDING = (("fsdp", "1f1b", "except_last"), ("fsdp", "zb-v", "except_last"))
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> list[dict[str, Any]]:
+    """One spawn of 4 ranks on (pp, dp) = (2, 2) for several tests (each spawn costs
+    seconds): per rank, each worker's result by name."""
+    calls = [("collectives", (False,)), ("collectives", (True,)),
+             ("gpt_exact", ((2, 2), RESHARDING, True)), ("refusals", ()),
+             ("groups_fsdp", ()), ("auto_plan", ())]
+    names = ["gathered", "resharded", "resharded_exact", "refusals", "groups", "auto_plan"]
+    return [dict(zip(names, results)) for results in run_ranks(in_turn, 4, calls)]
+
+
+def test_each_unit_is_gathered_once_and_reduced_once_per_step(
+        two_by_two: list[dict[str, Any]]) -> None:
+    """Counted by the profiler: once per step even with every micro-batch recomputed;
+    resharded after each forward, gathered for each forward and each backward."""
+    for found in two_by_two:
+        units, counted = found["gathered"]
+        units_again, recounted = found["resharded"]
         assert units == units_again in (4, 5)  # a unit per layer: 5 on stage 0, 4 on stage 1
         assert counted == {"all_gather": units, "reduce_scatter": units}
         assert recounted == {"all_gather": 2 * CHUNKS * units, "reduce_scatter": units}
-        for combination, loss_error, grad_error, _ in rows:
+
+
+def test_resharding_after_each_forward_stays_exact(two_by_two: list[dict[str, Any]]) -> None:
+    for found in two_by_two:
+        for combination, loss_error, grad_error, _ in found["resharded_exact"]:
             assert loss_error < EXACT and grad_error < EXACT, combination
-        assert said == [
+
+
+def test_mesh_options_it_cannot_honour_are_refused_by_name(
+        two_by_two: list[dict[str, Any]]) -> None:
+    for found in two_by_two:
+        assert found["refusals"] == [
             "unknown data_parallel 'zero'; expected one of: replicate, fsdp",
             "reshard_after_forward=True applies to data_parallel='fsdp' only, got "
             "data_parallel='replicate'",
@@ -83,9 +103,24 @@ def test_fsdp_gathers_once_per_step_and_refuses_what_it_cannot_do() -> None:
             "each layer splits across it",
             "tensor_parallel= needs a mesh with a 'tp' dimension, got dimensions ('pp', 'dp')",
         ]
-        # group= and data_group= (make_groups) instead of a mesh: sharded and exact too.
-        loss_error, grad_error, sharded = from_groups
+
+
+def test_fsdp_over_the_groups_of_make_groups(two_by_two: list[dict[str, Any]]) -> None:
+    """group= and data_group= instead of a mesh: sharded and exact too."""
+    for found in two_by_two:
+        loss_error, grad_error, sharded = found["groups"]
         assert loss_error < EXACT and grad_error < EXACT and sharded > 0
+
+
+def test_an_auto_plan_is_one_plan_for_every_replica_and_exact(
+        two_by_two: list[dict[str, Any]]) -> None:
+    """The sample on rank 0 only: the first rank of the mesh plans (replicas priced) and
+    every rank runs that plan."""
+    picks = {found["auto_plan"][0] for found in two_by_two}
+    assert len(picks) == 1, picks
+    for found in two_by_two:
+        _, loss_error, grad_error = found["auto_plan"]
+        assert loss_error < EXACT and grad_error < EXACT
 
 
 def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter() -> None:
