@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.group.collectives import all_gather, wait
+from pipeline.group.process_groups import rank_device
 
 
 def gather_state(local: dict[str, torch.Tensor], group: dist.ProcessGroup, dst: int,
@@ -23,10 +24,13 @@ def gather_state(local: dict[str, torch.Tensor], group: dist.ProcessGroup, dst: 
         ValueError: a peer's description does not match its bytes.
     """
     what = "gathering the state dict"
+    device = rank_device(group)  # NCCL carries no CPU tensor: the bytes travel on the GPU
     entries, payload = _encode(local)
-    sizes = all_gather(torch.tensor([entries.numel(), payload.numel()]), group, timeout, what)
-    described = _gather_bytes(entries, [int(size[0]) for size in sizes], group, dst, timeout)
-    data = _gather_bytes(payload, [int(size[1]) for size in sizes], group, dst, timeout)
+    sizes = all_gather(torch.tensor([entries.numel(), payload.numel()], device=device), group,
+                       timeout, what)
+    described = _gather_bytes(entries, [int(size[0]) for size in sizes], group, dst, timeout,
+                              device)
+    data = _gather_bytes(payload, [int(size[1]) for size in sizes], group, dst, timeout, device)
     if described is None or data is None:
         return None
     merged: dict[str, torch.Tensor] = {}
@@ -36,14 +40,15 @@ def gather_state(local: dict[str, torch.Tensor], group: dist.ProcessGroup, dst: 
 
 
 def _gather_bytes(part: torch.Tensor, lengths: list[int], group: dist.ProcessGroup, dst: int,
-                  timeout: float) -> list[torch.Tensor] | None:
-    """Every rank's bytes ``part`` (of the given lengths) on group rank ``dst``; None elsewhere."""
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[: part.numel()] = part
+                  timeout: float, device: torch.device) -> list[torch.Tensor] | None:
+    """Every rank's bytes ``part`` (of the given lengths) on group rank ``dst`` (on the CPU);
+    None elsewhere."""
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: part.numel()] = part.to(device)
     rows = [torch.empty_like(padded) for _ in lengths] if dist.get_rank(group) == dst else None
     wait(dist.gather(padded, rows, dst=dist.get_global_rank(group, dst), group=group,
                      async_op=True), "gathering the state dict", group, timeout)
-    return None if rows is None else [row[:length] for row, length in zip(rows, lengths)]
+    return None if rows is None else [row[:length].cpu() for row, length in zip(rows, lengths)]
 
 
 def _encode(state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
