@@ -45,6 +45,7 @@ def test_the_dry_run_passes_every_schedule_and_mode_and_the_bf16_step() -> None:
 
 
 def test_a_stalled_rank_is_a_hang_and_fresh_ranks_run_the_rest() -> None:
+    """Part 4's watchdog, and part 6 (the mesh, on four gloo ranks) after it."""
     done = run("--cpu-dry-run", "--gloo", "--schedules", "gpipe,1f1b,zb-v",
                "--stall-in", "1f1b", "--watchdog", "4")
     output = done.stdout + done.stderr
@@ -52,7 +53,10 @@ def test_a_stalled_rank_is_a_hang_and_fresh_ranks_run_the_rest() -> None:
     ranks = [line.split()[:3] for line in lines(done, "[gloo] ")][1:]
     assert ranks == [["[gloo]", "PASS", "gpipe"], ["[gloo]", "HANG", "1f1b"],
                      ["[gloo]", "PASS", "zb-v"]], output[-4000:]
-    assert "[summary] PASS 12  FAIL 0  HANG 1" in done.stdout, output[-4000:]
+    meshes = [line.split()[1:5] for line in lines(done, "[mesh] PASS")]
+    assert meshes == [["PASS", "(2,2,1)", "fsdp", "1f1b"], ["PASS", "(2,2,1)", "fsdp", "zb-v"],
+                      ["PASS", "(2,2,1)", "replicate", "1f1b"]], output[-4000:]
+    assert "[summary] PASS 15  FAIL 0  HANG 1" in done.stdout, output[-4000:]
     assert "[summary] RESULT FAILED" in done.stdout
 
 

@@ -25,14 +25,10 @@ from mesh_workers import (
     STEPS_AFTER_LOAD,
     STEPS_BEFORE_SAVE,
     adam,
-    gpt_exact,
     held_parameters,
     in_turn,
     mesh_gpt,
     reference_parameters,
-    sharded_crossing,
-    sharded_resumes,
-    sharded_save,
     step_batch,
 )
 
@@ -47,13 +43,23 @@ FLIPPED = tuple(("replicate" if dp == "fsdp" else "fsdp", schedule,
                  "always" if mode == "never" else "never") for dp, schedule, mode in PATTERN)
 
 
-@pytest.mark.parametrize("shape, combinations", [
-    ((2, 2, 2), PATTERN), ((2, 4, 1), FLIPPED), ((4, 2, 1), FLIPPED), ((2, 1, 4), PATTERN),
-])
+SHAPES = {(2, 2, 2): PATTERN, (2, 4, 1): FLIPPED, (4, 2, 1): FLIPPED, (2, 1, 4): PATTERN}
+
+
+@pytest.fixture(scope="module")
+def eight_ranks() -> list[dict[tuple[int, ...], Any]]:
+    """One spawn of 8 ranks (spawning them costs seconds), a mesh per shape in turn: per
+    rank, each shape's rows (``gpt_exact``)."""
+    calls = [("gpt_exact", (shape, combinations)) for shape, combinations in SHAPES.items()]
+    return [dict(zip(SHAPES, results)) for results in run_ranks(in_turn, 8, calls)]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_eight_ranks_in_a_3d_mesh_are_exact_on_the_union_batch(
-        shape: tuple[int, int, int], combinations: tuple[tuple[str, str, str], ...]) -> None:
-    for rows in run_ranks(gpt_exact, 8, shape, combinations):
-        assert [row[0] for row in rows] == list(combinations)
+        eight_ranks: list[dict[tuple[int, ...], Any]], shape: tuple[int, int, int]) -> None:
+    for found in eight_ranks:
+        rows = found[shape]
+        assert [row[0] for row in rows] == list(SHAPES[shape])
         for combination, loss_error, grad_error, compared in rows:
             assert loss_error < EXACT, (shape, combination, loss_error)
             assert grad_error < EXACT, (shape, combination, grad_error)
@@ -63,15 +69,38 @@ def test_eight_ranks_in_a_3d_mesh_are_exact_on_the_union_batch(
 RESHARDING = (("fsdp", "1f1b", "except_last"), ("fsdp", "zb-v", "except_last"))
 
 
+CHECKPOINT_LAYOUTS = [((4, 1), "replicate"), ((2, 2), "fsdp"), ((2, 1, 2), "replicate")]
+
+
 @pytest.fixture(scope="module")
-def two_by_two() -> list[dict[str, Any]]:
-    """One spawn of 4 ranks on (pp, dp) = (2, 2) for several tests (each spawn costs
-    seconds): per rank, each worker's result by name."""
-    calls = [("collectives", (False,)), ("collectives", (True,)),
-             ("gpt_exact", ((2, 2), RESHARDING, True)), ("refusals", ()),
-             ("groups_fsdp", ()), ("auto_plan", ())]
-    names = ["gathered", "resharded", "resharded_exact", "refusals", "groups", "auto_plan"]
-    return [dict(zip(names, results)) for results in run_ranks(in_turn, 4, calls)]
+def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded") / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def two_by_two(sharded_checkpoint: Path) -> list[dict[str, Any]]:
+    """One spawn of 4 ranks for every 4-rank test (each spawn costs seconds), each worker
+    on its own mesh in turn: per rank, each worker's result by name. The checkpoint is
+    saved on (2, 2) and resumed on the other layouts in the same spawn."""
+    calls = {
+        "gathered": ("collectives", (False,)),
+        "resharded": ("collectives", (True,)),
+        "resharded_exact": ("gpt_exact", ((2, 2), RESHARDING, True)),
+        "refusals": ("refusals", ()),
+        "groups": ("groups_fsdp", ()),
+        "auto_plan": ("auto_plan", ()),
+        "one_stage": ("gpt_exact", ((1, 4), (("fsdp", "1f1b", "except_last"),))),
+        "bytes": ("state_bytes", ()),
+        "crossing": ("sharded_crossing", (("1f1b", "zb-h1"),)),
+        "dropout": ("random_equal", ((2, 2), "zb-h1")),
+        "shared": ("shared_blocks", (("1f1b", "zb-h1", "zb-v"),)),
+        "habits": ("habits", ((2, 2),)),
+        "habits_tp": ("habits", ((1, 2, 2),)),
+        "saved": ("sharded_save", (str(sharded_checkpoint),)),
+        "resumed": ("sharded_resumes", (str(sharded_checkpoint), CHECKPOINT_LAYOUTS)),
+    }
+    return [dict(zip(calls, results))
+            for results in run_ranks(in_turn, 4, list(calls.values()), timeout=600)]
 
 
 def test_each_unit_is_gathered_once_and_reduced_once_per_step(
@@ -123,38 +152,39 @@ def test_an_auto_plan_is_one_plan_for_every_replica_and_exact(
         assert loss_error < EXACT and grad_error < EXACT
 
 
-def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter() -> None:
+def test_one_stage_over_four_replicas_is_exact_and_holds_a_quarter(
+        two_by_two: list[dict[str, Any]]) -> None:
     """(pp, dp) = (1, 4): exact, and the bytes of parameters, gradients and Adam state a
     rank holds after a step under FSDP are a quarter of the replicated stage's."""
     parameters = len(zoo.per_layer_parameters(mesh_gpt()))
-    for rows, held in run_ranks(in_turn, 4, [
-        ("gpt_exact", ((1, 4), (("fsdp", "1f1b", "except_last"),))), ("state_bytes", ()),
-    ]):
-        (_, loss_error, grad_error, compared), = rows
+    for found in two_by_two:
+        (_, loss_error, grad_error, compared), = found["one_stage"]
+        held = found["bytes"]
         assert loss_error < EXACT and grad_error < EXACT
         assert compared == parameters  # every parameter on the one stage
         assert held["fsdp"] <= (0.25 + 0.05) * held["replicate"], held
         assert held["fsdp"] < 0.26 * held["replicate"], held
 
 
-def test_a_dtensor_stage_output_crosses_as_its_shard_and_stays_exact() -> None:
+def test_a_dtensor_stage_output_crosses_as_its_shard_and_stays_exact(
+        two_by_two: list[dict[str, Any]]) -> None:
     """A Colwise Linear with use_local_output=False ends stage 0, a Rowwise Linear starts
     stage 1 (tp = 2): each tensor-parallel rank sends its shard, the next reads it as its
     style's input layout. (Sent as a DTensor, the step fails inside the transport.)"""
-    for errors in run_ranks(sharded_crossing, 4, ("1f1b", "zb-h1")):
-        assert max(errors) < EXACT, errors
+    for found in two_by_two:
+        assert max(found["crossing"]) < EXACT, found["crossing"]
 
 
-def test_dropout_shared_blocks_accumulation_clipping_and_inference_under_fsdp() -> None:
+def test_dropout_shared_blocks_accumulation_clipping_and_inference_under_fsdp(
+        two_by_two: list[dict[str, Any]]) -> None:
     """On (2, 2) and on (1, 2, 2) with tensor parallelism: dropout under one seed gives the
     replicated pipeline's gradients; a block reused at several positions and a frozen
     layer stay exact; two steps without zero_grad, clip_grad_norm_, pipe(x) and
     gather_state_dict give the unpipelined model's (see ``habits``)."""
     gatherers = 0
-    for dropout_difference, shared, *found_per_shape in run_ranks(in_turn, 4, [
-        ("random_equal", ((2, 2), "zb-h1")), ("shared_blocks", (("1f1b", "zb-h1", "zb-v"),)),
-        ("habits", ((2, 2),)), ("habits", ((1, 2, 2),)),
-    ]):
+    for results in two_by_two:
+        dropout_difference, shared = results["dropout"], results["shared"]
+        found_per_shape = [results["habits"], results["habits_tp"]]
         assert dropout_difference == 0.0
         # One block at three positions (two on one stage), a frozen layer: exact, and the
         # frozen layer gets no gradient.
@@ -176,24 +206,21 @@ def test_dropout_shared_blocks_accumulation_clipping_and_inference_under_fsdp() 
 # -- a sharded checkpoint resumes on other layouts -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("sharded") / "checkpoint"
-    for sharded, held in run_ranks(sharded_save, 4, str(directory)):
+def test_a_sharded_checkpoint_resumes_on_other_meshes_exactly(
+        two_by_two: list[dict[str, Any]]) -> None:
+    """Saved after 3 steps on (2, 2) under FSDP with Adam (every parameter sharded), loaded
+    on (4, 1), (2, 2) and (2, 1, 2) with tensor parallelism, trained 3 more steps: the
+    parameters of 6 uninterrupted plain steps."""
+    for found in two_by_two:
+        sharded, held = found["saved"]
         assert sharded == held > 0
-    return directory
-
-
-def test_a_sharded_checkpoint_resumes_on_other_meshes_exactly(sharded_checkpoint: Path) -> None:
-    layouts = [((4, 1), "replicate"), ((2, 2), "fsdp"), ((2, 1, 2), "replicate")]
-    for results in run_ranks(sharded_resumes, 4, str(sharded_checkpoint), layouts):
-        for (shape, _), (step, error, compared) in zip(layouts, results):
+        for (shape, _), (step, error, compared) in zip(CHECKPOINT_LAYOUTS, found["resumed"]):
             assert step == STEPS_BEFORE_SAVE
             assert error < EXACT and compared > 0, shape
 
 
 def test_a_sharded_checkpoint_resumes_in_one_process_and_unpipelined(
-        sharded_checkpoint: Path) -> None:
+        two_by_two: list[dict[str, Any]], sharded_checkpoint: Path) -> None:
     from pipeline import Pipe, load_checkpoint, load_into_model
 
     torch.set_num_threads(1)
