@@ -154,3 +154,21 @@ def bounded(fn: Callable[[], Any], seconds: float) -> tuple[str, Any]:
     if thread.is_alive():
         return "hang", None
     return ("ok", box["ok"]) if "ok" in box else ("error", box["error"])
+
+
+def join_group(rank: int, world: int, port: int, backend: str, timeout: float) -> torch.device:
+    """In a spawned rank: this rank's device (``cuda:rank`` under NCCL, made current, and
+    ``LOCAL_RANK`` set, which pipeline.group reads) and the default process group joined."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    return device

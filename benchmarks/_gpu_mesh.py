@@ -20,14 +20,13 @@ import os
 import queue as queue_module
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
-from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, Sizes, layer_grads,
-                         make_batch, make_gpt, short)
+from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, Sizes, join_group,
+                         layer_grads, make_batch, make_gpt, short)
 from examples.gpt import lm_loss  # importable once _gpu_common has put the root on sys.path
 
 # (data parallelism, schedule, checkpoint mode); replicated 1F1B is the bytes' baseline.
@@ -42,17 +41,10 @@ Combination = tuple[str, str, str]
 def rank_main(rank: int, world: int, port: int, backend: str, shape: tuple[int, int, int],
               timeout: float, results: Any) -> None:
     """One spawned rank: the mesh, then one answer per combination."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ["LOCAL_RANK"] = str(rank)  # pipeline.group picks cuda:LOCAL_RANK under NCCL
-    torch.set_num_threads(1)
     try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout))
+        device = join_group(rank, world, port, backend, timeout)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp", "tp"))
         sizes = EXACT_GPU if backend == "nccl" else EXACT_CPU
         union = make_batch(dataclasses.replace(sizes, rows=sizes.rows * shape[1]))

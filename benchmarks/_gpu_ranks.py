@@ -13,30 +13,21 @@ import os
 import queue as queue_module
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
-from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, grad_error, lm_loss,
-                         make_batch, make_gpt, reference_grads, short)
+from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, grad_error, join_group,
+                         lm_loss, make_batch, make_gpt, reference_grads, short)
 
 
 
 def rank_main(rank: int, world: int, port: int, backend: str, schedules: list[str],
               stall_in: str | None, timeout: float, results: Any) -> None:
     """One spawned rank: every schedule on a fresh group; one answer per schedule."""
-    import torch.distributed as dist
-
-    os.environ["LOCAL_RANK"] = str(rank)  # pipeline.runtime.dist_runner picks cuda:LOCAL_RANK
-    torch.set_num_threads(1)
     try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if backend == "nccl":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout))
+        device = join_group(rank, world, port, backend, timeout)
         sizes = EXACT_GPU if backend == "nccl" else EXACT_CPU
         model = make_gpt(sizes, torch.float64)
         x, y = make_batch(sizes)

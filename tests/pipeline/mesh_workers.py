@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -403,6 +402,20 @@ def groups_fsdp(rank: int, world: int) -> tuple[float, float, int]:
     return abs(loss - expected_loss), error, sharded
 
 
+def regression_batch(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` inputs and targets of width 6 (float64), the same on every rank."""
+    generator = torch.Generator().manual_seed(5)
+    return (torch.randn(rows, 6, generator=generator, dtype=torch.float64),
+            torch.randn(rows, 6, generator=generator, dtype=torch.float64))
+
+
+def plain_grads(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+    """The unpipelined model's per-layer gradients of the MSE loss on (x, y)."""
+    nn.MSELoss()(model(x), y).backward()
+    return zoo.per_layer_grads(model)
+
+
 def shared_block_model() -> nn.Sequential:
     """One block instance at positions 1, 2 (stage 0) and 4 (stage 1), ALBERT style, and a
     frozen first layer."""
@@ -421,12 +434,8 @@ def shared_blocks(rank: int, world: int, schedules: Sequence[str]) -> list[float
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, 2))
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(16, 6, generator=generator, dtype=torch.float64)
-    y = torch.randn(16, 6, generator=generator, dtype=torch.float64)
-    plain = shared_block_model()
-    nn.MSELoss()(plain(x), y).backward()
-    expected = zoo.per_layer_grads(plain)
+    x, y = regression_batch(16)
+    expected = plain_grads(shared_block_model(), x, y)
     part = slice(mesh.get_local_rank("dp") * 8, (mesh.get_local_rank("dp") + 1) * 8)
     found = []
     for schedule in schedules:
@@ -465,12 +474,8 @@ def sharded_crossing(rank: int, world: int, schedules: Sequence[str]) -> list[fl
         elif layer is model[3]:
             parallelize_module(layer, tp_mesh, RowwiseParallel())
 
-    generator = torch.Generator().manual_seed(5)
-    x = torch.randn(8, 6, generator=generator, dtype=torch.float64)
-    y = torch.randn(8, 6, generator=generator, dtype=torch.float64)
-    plain = build()
-    nn.MSELoss()(plain(x), y).backward()
-    expected = zoo.per_layer_grads(plain)
+    x, y = regression_batch(8)
+    expected = plain_grads(build(), x, y)
     found = []
     for schedule in schedules:
         model = build()
