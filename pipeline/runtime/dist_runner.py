@@ -87,21 +87,10 @@ class DistRunner:
         self.stage_ranks = [dist.get_global_rank(group, r) for r in range(schedule.stages)]
         self.balance = list(balance)
         self.model = model
-        layers_of = self.layers_of = chunk_layers(balance)
-        self.local_layers = [i for c in schedule.chunks_of_stage[self.stage] for i in layers_of[c]]
-        self.shared = shared_parameters(model)
-        self.synced, owner_stage = shared_across_stages(model, balance, schedule,
-                                                         self.local_layers, self.shared)
-        free_remote_layers(model, self.local_layers, self.shared)
-        for c in schedule.chunks_of_stage[self.stage]:
-            _materialise(nn.Sequential(*[model[i] for i in layers_of[c]]), device, init_fn)
-        now = self._split_layers(tensor_parallel)
-        self.synced = [replace(entry, parameter=None if entry.parameter is None
-                               else now[id(entry.parameter)]) for entry in self.synced]
-        owner_stage = {id(now[key]): stage for key, stage in owner_stage.items() if key in now}
-        self.counted = [
-            p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
-        ]
+        self.layers_of = chunk_layers(balance)
+        self.local_layers = [i for c in schedule.chunks_of_stage[self.stage]
+                             for i in self.layers_of[c]]
+        self._hold_layers(init_fn, tensor_parallel)
         share = 1.0 / len(schedule.chunks_of_stage[self.stage])
         self.tracker = ActivationTracker(self.parameters(), share) if options.track_memory else None
 
@@ -127,6 +116,27 @@ class DistRunner:
         self._broken: str | None = None  # why this rank's group can no longer be used
         self.meter: StepMeter | None = None  # set one to account for each step's time
         self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
+
+    def _hold_layers(self, init_fn: Callable[[nn.Module], None] | None,
+                     tensor_parallel: tuple[TensorParallel, DeviceMesh] | None) -> None:
+        """This rank's layers materialised, split and sharded, the rest freed; the shared
+        parameters to sum after each step (``synced``) and those this rank counts when
+        clipping (``counted``), as they are after the split."""
+        model, schedule = self.model, self.schedule
+        self.shared = shared_parameters(model)
+        synced, owner_stage = shared_across_stages(model, self.balance, schedule,
+                                                   self.local_layers, self.shared)
+        free_remote_layers(model, self.local_layers, self.shared)
+        for c in schedule.chunks_of_stage[self.stage]:
+            _materialise(nn.Sequential(*[model[i] for i in self.layers_of[c]]), self.device,
+                         init_fn)
+        now = self._split_layers(tensor_parallel)
+        self.synced = [replace(entry, parameter=None if entry.parameter is None
+                               else now[id(entry.parameter)]) for entry in synced]
+        owner_stage = {id(now[key]): stage for key, stage in owner_stage.items() if key in now}
+        self.counted = [
+            p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
+        ]
 
     def _split_layers(self, tensor_parallel: tuple[TensorParallel, DeviceMesh] | None
                       ) -> dict[int, nn.Parameter]:
