@@ -6,7 +6,10 @@ one engine call for the input gradients: the engine then computes nothing on
 the weight side, and each junction records the gradient that entered it (and
 the exits' gradients where the node computed them anyway, as a custom
 ``autograd.Function`` or a compiled region does, so that W never runs such a
-node twice). It returns the input gradients and a ``WeightGradients``.
+node twice). A norm's exits are asked of the engine with the inputs
+(``weight_rules.FUSED``: its kernel computes them with the input gradient at
+little more cost), so W only accumulates them. It returns the input gradients and
+a ``WeightGradients``.
 
 ``WeightGradients.run`` (W) turns each junction's captured gradient into its
 exits' gradients (``partitioners.weight_rules`` from the saved tensors, or one
@@ -29,7 +32,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from partitioners.autograd_graph import Exit, Junction, Slot, split_graph
-from partitioners.weight_rules import Deferred, prepare
+from partitioners.weight_rules import Deferred, fused, prepare
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -175,9 +178,13 @@ def backward_input(
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]
     if not chain:
         return (None,) * len(inputs), WeightGradients(seeds, [])
+    # A norm's exits are computed in I, with its input gradient (``weight_rules.FUSED``):
+    # the engine returns what reaches each exit, and W only seeds it.
+    fused_exits = list(dict.fromkeys(exit.slot for junction in split.junctions
+                                     if fused(junction.node) for exit in junction.exits))
     captures = [
         _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
-        for junction in split.junctions
+        for junction in split.junctions if not fused(junction.node)
     ]
     # Where every junction has its rule (or computes its whole backward in I), W reads only
     # what I left: the engine may free each node's saved tensors as I passes it (and must,
@@ -186,8 +193,10 @@ def backward_input(
     handles = [capture.junction.node.register_hook(capture) for capture in captures]
     try:
         found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,
-                        inputs=input_edges)
+                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits)])
     finally:
         for handle in handles:
             handle.remove()
-    return found, WeightGradients(seeds, captures, keep_graph)
+    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[len(input_edges):])
+              if grad is not None]
+    return found[:len(input_edges)], WeightGradients(seeds, captures, keep_graph)

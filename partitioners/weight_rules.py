@@ -192,6 +192,25 @@ RULES: dict[str, Rule] = {
 }
 
 
+# Norms whose weight gradients are reductions their input gradient computes anyway
+# (sum(g) and sum(g * x_hat) over the normalised dimensions): one call of the backward
+# kernel gives all three at about the price of the input gradient alone. I computes their
+# weight gradients with the input's (``partitioners.split_backward``): deferring them
+# would run the kernel a second time in W and keep the gradient entering the norm (a
+# whole activation) alive until then; which also stops the engine from adding the other
+# branch of a residual into that gradient in place (it is held), so I would allocate
+# and fill a new activation-sized buffer at every such add.
+FUSED: frozenset[str] = frozenset({
+    "NativeLayerNormBackward0", "NativeBatchNormBackward0", "CudnnBatchNormBackward0",
+    "MiopenBatchNormBackward0", "NativeGroupNormBackward0",
+})
+
+
+def fused(node: Node) -> bool:
+    """Whether I computes ``node``'s weight gradients with its input gradient (``FUSED``)."""
+    return node.name() in FUSED
+
+
 def prepare(node: Node, wanted: frozenset[int]) -> Deferred | None:
     """Take from ``node`` what its outputs ``wanted`` need, before I runs.
 

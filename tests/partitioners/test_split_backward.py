@@ -280,3 +280,28 @@ def test_a_compiled_region_runs_its_backward_once_and_lets_i_free_the_graph():
     block = Block()
     compiled = torch.compile(copy.deepcopy(block), backend="aot_eager")
     _compare(nn.Sequential(compiled, nn.Linear(16, 4)), tokens)
+
+
+@pytest.mark.parametrize("make_norm", [lambda: nn.LayerNorm(16), lambda: nn.BatchNorm1d(16),
+                                       lambda: nn.GroupNorm(4, 16)],
+                         ids=["layer", "batch", "group"])
+def test_a_norm_gives_its_weight_gradients_in_i_and_w_never_reruns_it(make_norm):
+    """A norm's weight gradients are reductions its input gradient computes anyway: I takes
+    them in the same kernel call, W only accumulates them (no norm backward in W), and what
+    waits for W is those small gradients, not the activation-sized one entering the norm."""
+    from torch.profiler import ProfilerActivity, profile
+
+    norm = make_norm()
+    model = nn.Sequential(nn.Linear(16, 16), norm, nn.Tanh(), nn.Linear(16, 16))
+    _compare(model, lambda: torch.randn(32, 16))
+    x = torch.randn(32, 16, requires_grad=True)
+    out = model(x)
+    _, weights = backward_input([out], [torch.ones_like(out)], [x])
+    norm_grads = sum(p.numel() for p in norm.parameters())
+    assert not any(capture.junction.node.name().startswith(("Native", "Cudnn"))
+                   for capture in weights.captures)
+    assert sum(g.numel() for (node, _), g in weights.seeds) == norm_grads
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        weights.run()
+    assert not [event.name for event in profiled.events() if "norm_backward" in event.name]
+    assert all(p.grad is not None for p in norm.parameters())
