@@ -58,6 +58,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="1f1b",
                         help=f"schedule for memory and prediction: {', '.join(schedule_names())}; "
                              f"auto: search them all, with micro-batches, cut and recomputation")
+    parser.add_argument("--optimizer-factor", type=float, default=0.0, metavar="F",
+                        help="with auto: optimizer state per parameter byte, counted in memory "
+                             "(Adam: 2; default: 0)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="with auto: data-parallel replicas of each stage (default: 1); their "
+                             "collectives and, with --fsdp, their shards are planned for")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --replicas: FSDP2 shards each stage over the replicas "
+                             "(default: whole copies that all-reduce)")
+    parser.add_argument("--reshard-after-forward", action="store_true",
+                        help="with --fsdp: free gathered layers after each forward")
     parser.add_argument("--top", type=int, default=10,
                         help="with auto: how many of the best candidates to print (default: 10)")
     parser.add_argument("--device", default="cpu", help="where to profile (default: cpu)")
@@ -91,6 +102,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--stages must be >= 1, got {args.stages}")
     if "auto" in (args.chunks, args.schedule):
         return _run_plan(args, shapes, memory_limit, bandwidth)
+    if args.replicas != 1 or args.fsdp or args.reshard_after_forward or args.optimizer_factor:
+        raise UsageError("--replicas, --fsdp, --reshard-after-forward and --optimizer-factor "
+                         "are the planner's: use them with --schedule auto or --chunks auto")
 
     from partitioners.memory import held_microbatches
     from partitioners.profile import profile
@@ -179,6 +193,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
 
     if args.top < 1:
         raise UsageError(f"--top must be >= 1, got {args.top}")
+    data_parallel = _replicas(args)
     if args.plot:
         raise UsageError("--plot draws one cut; with --schedule auto or --chunks auto, "
                          "use --json and draw the candidates from it")
@@ -192,7 +207,8 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
         hop=hop, devices=[args.device],
         microbatch_counts=None if args.chunks == "auto" else [args.chunks],
         schedules=None if args.schedule == "auto" else [args.schedule],
-        warmup=args.warmup, repeat=args.repeat)
+        warmup=args.warmup, repeat=args.repeat, data_parallel=data_parallel,
+        optimizer_factor=args.optimizer_factor)
     print(f"{args.factory}: {len(model)} layers, batch {args.input_shape} {args.dtype}, "
           f"{args.stages} stages; schedule {args.schedule}, micro-batches {args.chunks}\n")
     print(candidates_table(chosen, args.top))
@@ -201,6 +217,25 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
         data["options"] = _options(args, memory_limit, bandwidth)
         _write(args.json, lambda handle: json.dump(data, handle, indent=2))
     return 0
+
+
+def _replicas(args: argparse.Namespace) -> Any:
+    """``--replicas``, ``--fsdp``, ``--reshard-after-forward`` as a ``DataParallelism``
+    (priced over the hop between stages), or None for one replica."""
+    from partitioners.memory import DataParallelism
+
+    if args.optimizer_factor < 0:
+        raise UsageError(f"--optimizer-factor must be >= 0, got {args.optimizer_factor:g}")
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.fsdp and args.replicas < 2:
+        raise UsageError(f"--fsdp shards a stage over its replicas: it needs --replicas 2 or "
+                         f"more, got {args.replicas}")
+    if args.reshard_after_forward and not args.fsdp:
+        raise UsageError("--reshard-after-forward frees FSDP's gathered layers: it needs --fsdp")
+    if args.replicas == 1:
+        return None
+    return DataParallelism(args.replicas, args.fsdp, args.reshard_after_forward)
 
 
 def _size(flag: str, text: str | None, rate: bool = False) -> float | None:
@@ -228,7 +263,9 @@ def _options(
         "factory": args.factory, "input_shape": args.input_shape, "dtype": args.dtype,
         "stages": args.stages, "by": args.by, "memory_limit": memory_limit,
         "bandwidth": bandwidth, "chunks": args.chunks, "schedule": args.schedule,
-        "device": args.device,
+        "device": args.device, "replicas": args.replicas, "fsdp": args.fsdp,
+        "reshard_after_forward": args.reshard_after_forward,
+        "optimizer_factor": args.optimizer_factor,
     }
 
 

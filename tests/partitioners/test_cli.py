@@ -261,3 +261,38 @@ def test_auto_errors_exit_2_with_one_line(
                             "--schedule", "auto", *args], capsys)
     assert status == 2
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_auto_plans_for_sharded_replicas(capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Adam's state (--optimizer-factor 2), FSDP over 4 replicas fits a stage in less
+    memory than whole copies do, and a limit between the two is met only with --fsdp."""
+    monkeypatch.syspath_prepend(str(HERE))
+    base = ["cli_factories:mlp", "--input-shape", "16,32", "--stages", "2", "--schedule", "auto",
+            "--chunks", "auto", "--optimizer-factor", "2"]
+
+    def smallest(*extra: str) -> int:
+        status, _, err = _main(base + ["--memory-limit", "1KiB", *extra], capsys)
+        assert status == 2, err
+        return int(err.split("the smallest limit that fits is")[1].split("(")[1].split()[0])
+
+    whole, sharded = smallest("--replicas", "4"), smallest("--replicas", "4", "--fsdp")
+    assert sharded < 0.9 * whole, (sharded, whole)
+    between = str((sharded + whole) // 2)
+    assert _main(base + ["--memory-limit", between, "--replicas", "4", "--fsdp"], capsys)[0] == 0
+    assert _main(base + ["--memory-limit", between, "--replicas", "4"], capsys)[0] == 2
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--schedule", "auto", "--fsdp"], "--fsdp shards a stage over its replicas"),
+    (["--schedule", "auto", "--replicas", "2", "--reshard-after-forward"], "it needs --fsdp"),
+    (["--schedule", "auto", "--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "2"], "use them with --schedule auto or --chunks auto"),
+])
+def test_replica_options_are_checked(args: list[str], message: str,
+                                     capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    status, _, err = _main(["cli_factories:mlp", "--input-shape", "8,32", "--stages", "2",
+                            *args], capsys)
+    assert status == 2 and message in err, err
