@@ -22,8 +22,8 @@ from pipeline.compute.slicing import build_chunks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
-from pipeline.runtime.data_parallel import (Alone, DataParallel, Sharding, local_part,
-                                            replication)
+from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
+from pipeline.runtime.grad_norm import clip_spread_grads
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
@@ -368,35 +368,12 @@ class DistRunner:
         self.transport.close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """The global norm over every rank's part of the gradients, then each part scaled.
-
-        A part several ranks hold alike (a replica's whole gradient, a norm's weight on
-        every tensor-parallel rank) counts once: its share is divided by how many hold it.
-        """
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        counted = [p.grad for p in self.counted if p.grad is not None]
-        groups, sizes = [self.group], {}
-        for name, group in (("dp", self.data_group),
-                            ("tp", self.tp_mesh.get_group() if self.tp_mesh else None)):
-            if group is not None:
-                groups.append(group)
-                sizes[name] = dist.get_world_size(group)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        if norm_type == float("inf"):
-            total = max((local_part(g).abs().max().to(torch.float64) for g in counted
-                         if local_part(g).numel()), default=zero).clone()
-            for group in groups:
-                all_reduce(total, group, self.timeout, "clipping gradients", dist.ReduceOp.MAX)
-        else:
-            total = sum((local_part(g).norm(norm_type).to(torch.float64) ** norm_type
-                         / replication(g, sizes) for g in counted), zero).clone()
-            for group in groups:
-                all_reduce(total, group, self.timeout, "clipping gradients")
-            total = total ** (1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            local_part(grad).mul_(coefficient.to(grad.dtype))
-        return total
+        """The global norm over every rank's part of the gradients (``grad_norm``)."""
+        groups = {"pp": self.group, "dp": self.data_group,
+                  "tp": self.tp_mesh.get_group() if self.tp_mesh else None}
+        return clip_spread_grads([p.grad for p in self.parameters() if p.grad is not None],
+                                 [p.grad for p in self.counted if p.grad is not None], groups,
+                                 max_norm, norm_type, self.timeout, self.device)
 
 
 def _like(parameter: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
