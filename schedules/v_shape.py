@@ -71,11 +71,11 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from schedules._checks import check_counts
 from schedules.action import Action, Op, Schedule
-from schedules.dependencies import ActionKey, dependency_keys
+from schedules.dependencies import dependency_keys
 
 Variant = Literal["v-half", "v-min"]
 PERIOD = 6  # chunk actions per micro-batch per stage: F, I and W on two chunks
@@ -185,9 +185,10 @@ def _replays(variant: Variant, stages: int, microbatches: int, placement: tuple[
             placement,
             name=variant,
         )
+        plan = _ReplayPlan(critical)
         for window, room in replays:
             try:
-                yield _CappedReplay(critical, cap, window, room).run()
+                yield _CappedReplay(plan, cap, window, room).run()
             except _Stalled:
                 continue  # only the replays without room can stall
 
@@ -214,40 +215,72 @@ class _Stalled(Exception):
     """Every stage waits: a replay without room filled a stage with forwards down."""
 
 
+class _ReplayPlan:
+    """The critical lists, each action numbered and its dependencies read once for every replay.
+
+    A replay asks whether an action is ready millions of times at larger P and M: it
+    then looks up numbers in a list, not keys in a dictionary.
+    """
+
+    def __init__(self, critical: Schedule) -> None:
+        self.stages = critical.stages
+        number = {(action.op, action.microbatch, action.chunk): index
+                  for index, action in enumerate(a for actions in critical.order for a in actions)}
+        never = len(number)  # a dependency no list holds is never finished
+        self.lists = []
+        for actions in critical.order:
+            entries = []
+            for action in actions:
+                needs = dependency_keys(critical, action.op, action.microbatch, action.chunk)
+                entries.append(_Entry(action, number[(action.op, action.microbatch, action.chunk)],
+                                      tuple(number.get(key, never) for key in needs)))
+            self.lists.append(entries)
+        self.numbered = never + 1
+
+
+class _Entry(NamedTuple):
+    action: Action
+    number: int
+    needs: tuple[int, ...]
+
+
 class _CappedReplay:
     """Replay critical lists with unit costs, inserting Ws, never past ``cap`` activations."""
 
-    def __init__(self, critical: Schedule, cap: int, window: int, room: bool) -> None:
-        self.critical = critical
+    def __init__(self, plan: _ReplayPlan, cap: int, window: int, room: bool) -> None:
+        self.stages = plan.stages
         self.cap = cap
         self.window = window
         self.down_need = 2 if room else 1
-        self.lists = [list(actions) for actions in critical.order]
-        self.orders: list[list[Action]] = [[] for _ in range(critical.stages)]
-        self.held = [0] * critical.stages
-        self.pending: list[deque[Action]] = [deque() for _ in range(critical.stages)]
-        self.finished: dict[ActionKey, int] = {}
+        self.lists = [list(entries) for entries in plan.lists]
+        self.orders: list[list[Action]] = [[] for _ in range(plan.stages)]
+        self.held = [0] * plan.stages
+        self.pending: list[deque[Action]] = [deque() for _ in range(plan.stages)]
+        self.finished = [_NEVER] * plan.numbered  # the step after each numbered action ran
 
     def run(self) -> tuple[int, tuple[tuple[Action, ...], ...]]:
         """The number of unit steps and every stage's order, Ws included."""
-        remaining = 3 * sum(len(actions) for actions in self.lists) // 2
+        remaining = 3 * sum(len(entries) for entries in self.lists) // 2
         step = 0
         while remaining:
-            ran = [self._choose(stage, step) for stage in range(self.critical.stages)]
+            ran = [self._choose(stage, step) for stage in range(self.stages)]
             if not any(ran):  # all wait on the cap or on each other: fill from the lists
-                ran = [self._any_ready(stage, step) for stage in range(self.critical.stages)]
+                ran = [self._any_ready(stage, step) for stage in range(self.stages)]
             if not any(ran):
                 raise _Stalled(step)
-            for stage, action in enumerate(ran):
-                if action is not None:
-                    self._record(stage, action, step)
+            for stage, chosen in enumerate(ran):
+                if chosen is not None:
+                    self._record(stage, chosen, step)
                     remaining -= 1
             step += 1
         return step, tuple(tuple(actions) for actions in self.orders)
 
-    def _ready(self, action: Action, step: int) -> bool:
-        needed = dependency_keys(self.critical, action.op, action.microbatch, action.chunk)
-        return all(self.finished.get(key, step + 1) <= step for key in needed)
+    def _ready(self, entry: _Entry, step: int) -> bool:
+        finished = self.finished
+        for number in entry.needs:
+            if finished[number] > step:
+                return False
+        return True
 
     def _fits(self, stage: int, action: Action) -> bool:
         if action.op is not Op.F:
@@ -255,36 +288,47 @@ class _CappedReplay:
         need = self.down_need if action.chunk == stage else 1
         return self.held[stage] + need <= self.cap
 
-    def _choose(self, stage: int, step: int) -> Action | None:
+    def _choose(self, stage: int, step: int) -> _Entry | Action | None:
         """The first ready action in the window, else (or when the cap refuses the head) a W."""
-        actions, pending = self.lists[stage], self.pending[stage]
-        for index, action in enumerate(actions[: self.window]):
-            if self._ready(action, step):
-                if self._fits(stage, action):
-                    return actions.pop(index)
+        entries, pending = self.lists[stage], self.pending[stage]
+        for index, entry in enumerate(entries[: self.window]):
+            if self._ready(entry, step):
+                if self._fits(stage, entry.action):
+                    return entries.pop(index)
                 if index == 0 and pending:
                     break  # the head forward waits for memory: free some first
         return pending.popleft() if pending else None
 
-    def _any_ready(self, stage: int, step: int) -> Action | None:
+    def _any_ready(self, stage: int, step: int) -> _Entry | None:
         """Any ready action of the stage's list that fits: the way out when all would wait.
 
         With room, the oldest micro-batch in flight always has one: every stage it
         reaches holds nothing of later micro-batches on the way down, and on the way
         back up at most the forwards down, which left a slot free.
         """
-        actions = self.lists[stage]
-        for index, action in enumerate(actions):
-            if self._ready(action, step) and self._fits(stage, action):
-                return actions.pop(index)
+        entries, finished = self.lists[stage], self.finished
+        for index, entry in enumerate(entries):
+            for number in entry.needs:  # self._ready, inlined: this loop is the search's hot spot
+                if finished[number] > step:
+                    break
+            else:
+                if self._fits(stage, entry.action):
+                    return entries.pop(index)
         return None
 
-    def _record(self, stage: int, action: Action, step: int) -> None:
+    def _record(self, stage: int, chosen: _Entry | Action, step: int) -> None:
+        if isinstance(chosen, _Entry):
+            action = chosen.action
+            self.finished[chosen.number] = step + 1
+        else:
+            action = chosen  # a W: nothing in the lists waits for it
         self.orders[stage].append(action)
-        self.finished[(action.op, action.microbatch, action.chunk)] = step + 1
         self.held[stage] += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
         if action.op is Op.I:
             self.pending[stage].append(Action(Op.W, action.microbatch, action.chunk))
+
+
+_NEVER = 1 << 62
 
 
 def _critical_order(
