@@ -1,24 +1,26 @@
 """The split backward: I computes input gradients only, W weight gradients only.
 
-``backward_input`` reads the graph (``partitioners.autograd_graph``), hooks every
-junction (a node on the input chain with edges to the weight side), and runs
-one engine call for the input gradients: the engine then computes nothing on
-the weight side, and each junction records the gradient that entered it (and
-the exits' gradients where the node computed them anyway, as a custom
-``autograd.Function`` or a compiled region does, so that W never runs such a
-node twice). A norm's exits are asked of the engine with the inputs
+``backward_input`` reads the graph (``partitioners.autograd_graph``) and runs one
+engine call for the input gradients: the engine then computes nothing on the
+weight side. The same call captures what W needs: for a junction (a node on the
+input chain with edges to the weight side) that has a rule
+(``partitioners.weight_rules``), the gradient entering it, asked of the engine
+as one more input; a junction without one is hooked, to record the gradient
+entering it and whatever it computed for its exits itself (a custom
+``autograd.Function`` or a compiled region computes them anyway, so W never runs
+such a node twice). A norm's exits are asked of the engine with the inputs
 (``weight_rules.FUSED``: its kernel computes them with the input gradient at
-little more cost), so W only accumulates them. It returns the input gradients and
-a ``WeightGradients``.
+little more cost), so W only accumulates them. It returns the input gradients
+and a ``WeightGradients``.
 
 ``WeightGradients.run`` (W) turns each junction's captured gradient into its
-exits' gradients (``partitioners.weight_rules`` from the saved tensors, or one
-engine call seeded at the junction and stopped at its exits), then runs the
-weight side once, from all exits together, through the engine's own
-accumulation: each parameter's ``AccumulateGrad`` runs once per W, so
-gradients accumulate as in a plain backward and post-accumulate hooks fire.
-No input-side gradient is computed twice, and every parameter reachable from
-the roots gets its gradient, whether or not its path meets an input.
+exits' gradients (by its rule from the saved tensors, or one engine call seeded
+at the junction and stopped at its exits), then runs the weight side once, from
+all exits together, through the engine's own accumulation: each parameter's
+``AccumulateGrad`` runs once per W, so gradients accumulate as in a plain
+backward and post-accumulate hooks fire. No input-side gradient is computed
+twice, and every parameter reachable from the roots gets its gradient, whether
+or not its path meets an input.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from partitioners.autograd_graph import Exit, Junction, Slot, split_graph
@@ -82,13 +84,17 @@ class _Capture:
         if self.entered is None:
             return []  # no gradient reached the junction
         exits = self.junction.exits
+        grad = self.entered[0]
+        if not self.sent and self.deferred is not None and grad is not None:
+            # The common case: a rule, and the node computed none of its exits in I.
+            computed = self.deferred.compute(grad)
+            return [(exit.slot, computed[exit.output]) for exit in exits if exit.output in computed]
         found = [(exit.slot, self.sent[exit.output]) for exit in exits if exit.output in self.sent]
         missing = [exit for exit in exits if exit.output not in self.sent]
         if not missing or self.complete:
             return found
         if self.deferred is None:
             return found + _through_engine(self.junction, self.entered, missing)
-        grad = self.entered[0]
         if grad is None:
             return found
         computed = self.deferred.compute(grad)
@@ -153,6 +159,34 @@ def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> 
     return [(slot, grad) for slot, grad in zip(slots, found) if grad is not None]
 
 
+def _fusable(junctions: Sequence[Junction]) -> list[Junction]:
+    """The norms whose exits I may ask the engine for (``weight_rules.FUSED``).
+
+    Asking for a slot makes the engine compute, in I, everything that flows into it:
+    where another junction's exit also reaches a norm's exit (the norm's weight used
+    again in the chunk, say), that junction's share would be computed in I and again
+    in W. Such a norm is deferred like any other junction.
+    """
+    norms = [junction for junction in junctions if fused(junction.node)]
+    if not norms:
+        return []
+    below: set[Node] = set()  # weight-side nodes some exit's gradient flows through after its slot
+    direct: set[Node] = set()  # slots other junctions' exits feed directly
+    stack: list[Node] = []
+    for junction in junctions:
+        for exit in junction.exits:
+            if junction not in norms:
+                direct.add(exit.slot[0])
+            stack.extend(child for child, _ in exit.slot[0].next_functions if child is not None)
+    while stack:
+        node = stack.pop()
+        if node not in below:
+            below.add(node)
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return [norm for norm in norms
+            if not any(exit.slot[0] in below or exit.slot[0] in direct for exit in norm.exits)]
+
+
 def backward_input(
     roots: Sequence[torch.Tensor],
     root_grads: Sequence[torch.Tensor | None],
@@ -180,23 +214,32 @@ def backward_input(
         return (None,) * len(inputs), WeightGradients(seeds, [])
     # A norm's exits are computed in I, with its input gradient (``weight_rules.FUSED``):
     # the engine returns what reaches each exit, and W only seeds it.
-    fused_exits = list(dict.fromkeys(exit.slot for junction in split.junctions
-                                     if fused(junction.node) for exit in junction.exits))
+    norms = _fusable(split.junctions)
+    fused_exits = list(dict.fromkeys(exit.slot for junction in norms for exit in junction.exits))
     captures = [
         _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
-        for junction in split.junctions if not fused(junction.node)
+        for junction in split.junctions if junction not in norms
     ]
+    # A junction with a rule needs only the gradient entering it: the engine captures it
+    # as one more input. The others are hooked, to see what they computed themselves.
+    captured = [capture for capture in captures if capture.deferred is not None and not capture.complete]
+    hooked = [capture for capture in captures if capture.deferred is None or capture.complete]
     # Where every junction has its rule (or computes its whole backward in I), W reads only
     # what I left: the engine may free each node's saved tensors as I passes it (and must,
     # for a compiled region that donates its buffers).
     keep_graph = any(capture.deferred is None and not capture.complete for capture in captures)
-    handles = [capture.junction.node.register_hook(capture) for capture in captures]
+    handles = [capture.junction.node.register_hook(capture) for capture in hooked]
     try:
         found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,
-                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits)])
+                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits),
+                                *(GradientEdge(capture.junction.node, 0) for capture in captured)])
     finally:
         for handle in handles:
             handle.remove()
-    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[len(input_edges):])
+    count = len(input_edges)
+    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[count:count + len(fused_exits)])
               if grad is not None]
-    return found[:len(input_edges)], WeightGradients(seeds, captures, keep_graph)
+    for capture, grad in zip(captured, found[count + len(fused_exits):]):
+        if grad is not None:
+            capture.entered = (grad,)
+    return found[:count], WeightGradients(seeds, captures, keep_graph)

@@ -14,7 +14,8 @@ output mask; the matrix products are one product each. Once every junction of
 a graph has a rule, I may free the graph as it goes, and what lives from I to W
 is what the weight gradients read, not every activation of the chunk.
 
-A rule answers only for the outputs asked for, unreduced where an input was
+Every node with a rule has one output (the gradient entering it is the one the
+engine captures at its slot 0). A rule answers only for the outputs asked for, unreduced where an input was
 broadcast (the engine reduces it, as inside a backward). A node without a rule
 goes through the engine (``partitioners.split_backward``).
 """

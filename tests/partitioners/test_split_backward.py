@@ -305,3 +305,22 @@ def test_a_norm_gives_its_weight_gradients_in_i_and_w_never_reruns_it(make_norm)
         weights.run()
     assert not [event.name for event in profiled.events() if "norm_backward" in event.name]
     assert all(p.grad is not None for p in norm.parameters())
+
+
+class NormWeightUsedAgain(nn.Module):
+    """A norm's weight read again in the chunk, directly and through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.linear(h) * self.norm.weight + h * self.norm.weight.view(1, -1)
+
+
+def test_a_norm_whose_weight_is_used_again_in_the_chunk():
+    """Asking the engine in I for the norm's weight would take the other uses' share there
+    too, and W would add it a second time (norm.weight off by 1.76 before)."""
+    _compare(NormWeightUsedAgain(), lambda: torch.randn(4, 16))
+    _compare(nn.Sequential(NormWeightUsedAgain(), nn.Tanh(), NormWeightUsedAgain()), lambda: torch.randn(4, 16))
