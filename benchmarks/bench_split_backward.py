@@ -17,6 +17,13 @@ timed; the figures are medians over the rounds. The bars: (I + W) / B <= 1.10 on
 gpt and resnet, <= 1.5 on linear, and ours no slower than torch's on each. Exits 1
 when a bar is missed.
 
+With ``--keep-pages`` glibc keeps the memory freed between rounds (``mallopt``: no
+trimming, no mmap below 32 MiB; what ``MALLOC_TRIM_THRESHOLD_`` and
+``MALLOC_MMAP_THRESHOLD_`` do from the environment), as a GPU's caching allocator
+does. Without it, the gradients I holds for W push the allocations after them onto
+pages glibc gave back at the last round's end, and I pays those pages' faults where
+B reuses the buffers it just freed.
+
 With ``--memory`` it instead prints, for 1F1B and three split schedules, what ``plan``
 predicts each stage's peak activation bytes to be against what ``Pipe(memory_report=True)``
 measures (a 4-block GPT of width 128 with an input and an output Linear, 32 x 16 tokens,
@@ -31,6 +38,7 @@ under ZB-H1, read from ``pipe.timeline`` over the steps.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -80,6 +88,16 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.relu(self.body(x) + x)
+
+
+def keep_freed_pages() -> bool:
+    """Ask glibc to keep freed memory for reuse; False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    trim_threshold, mmap_threshold = -1, -3  # mallopt's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+    return bool(libc.mallopt(trim_threshold, 2**31 - 1)) and bool(libc.mallopt(mmap_threshold, 32 << 20))
 
 
 def make_stage(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -208,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipe", action="store_true", help="the Pipe table of issue 22 instead")
     parser.add_argument("--memory", action="store_true",
                         help="plan's predicted activation memory against the measured instead")
+    parser.add_argument("--keep-pages", action="store_true",
+                        help="glibc keeps freed memory (as a caching allocator does)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.keep_pages and not keep_freed_pages():
+        parser.error("--keep-pages needs glibc's mallopt")
     if args.pipe:
         pipe_table(steps=4)
         return 0
