@@ -48,10 +48,12 @@ class GraphSplit(NamedTuple):
         on_chain: per root, whether its node leads to an input (I differentiates it);
             a root off the chain is a weight-side root that W seeds directly.
         junctions: every chain node with exits, in no particular order.
+        parents: every node's parents (the nodes with an edge to it).
     """
 
     on_chain: tuple[bool, ...]
     junctions: tuple[Junction, ...]
+    parents: dict[Node, list[Node]]
 
 
 def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
@@ -96,4 +98,4 @@ def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
         )
         if exits:
             junctions.append(Junction(node, exits))
-    return GraphSplit(tuple(root in chain for root in roots), tuple(junctions))
+    return GraphSplit(tuple(root in chain for root in roots), tuple(junctions), parents)

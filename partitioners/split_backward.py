@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.variable import Variable
 
-from partitioners.autograd_graph import Exit, Junction, Slot, split_graph
+from partitioners.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
 from partitioners.weight_rules import Deferred, fused, prepare
 
 Grads = tuple[torch.Tensor | None, ...]
@@ -159,32 +159,22 @@ def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> 
     return [(slot, grad) for slot, grad in zip(slots, found) if grad is not None]
 
 
-def _fusable(junctions: Sequence[Junction]) -> list[Junction]:
+def _fusable(split: GraphSplit) -> list[Junction]:
     """The norms whose exits I may ask the engine for (``weight_rules.FUSED``).
 
     Asking for a slot makes the engine compute, in I, everything that flows into it:
-    where another junction's exit also reaches a norm's exit (the norm's weight used
-    again in the chunk, say), that junction's share would be computed in I and again
-    in W. Such a norm is deferred like any other junction.
+    where anything but such norms feeds a norm's exit (its weight used again in the
+    chunk, say), that share would be computed in I and again in W. Such a norm is
+    deferred like any other junction, and so, in turn, may be a norm sharing its slots.
     """
-    norms = [junction for junction in junctions if fused(junction.node)]
-    if not norms:
-        return []
-    below: set[Node] = set()  # weight-side nodes some exit's gradient flows through after its slot
-    direct: set[Node] = set()  # slots other junctions' exits feed directly
-    stack: list[Node] = []
-    for junction in junctions:
-        for exit in junction.exits:
-            if junction not in norms:
-                direct.add(exit.slot[0])
-            stack.extend(child for child, _ in exit.slot[0].next_functions if child is not None)
-    while stack:
-        node = stack.pop()
-        if node not in below:
-            below.add(node)
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-    return [norm for norm in norms
-            if not any(exit.slot[0] in below or exit.slot[0] in direct for exit in norm.exits)]
+    fusable = {junction.node for junction in split.junctions if fused(junction.node)}
+    while True:
+        shared = {junction.node for junction in split.junctions if junction.node in fusable
+                  and any(parent not in fusable for exit in junction.exits
+                          for parent in split.parents[exit.slot[0]])}
+        if not shared:
+            return [junction for junction in split.junctions if junction.node in fusable]
+        fusable -= shared
 
 
 def backward_input(
@@ -214,7 +204,7 @@ def backward_input(
         return (None,) * len(inputs), WeightGradients(seeds, [])
     # A norm's exits are computed in I, with its input gradient (``weight_rules.FUSED``):
     # the engine returns what reaches each exit, and W only seeds it.
-    norms = _fusable(split.junctions)
+    norms = _fusable(split)
     fused_exits = list(dict.fromkeys(exit.slot for junction in norms for exit in junction.exits))
     captures = [
         _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
