@@ -9,8 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SILENCE = 16.0  # seconds rank 1 stays silent
-TIMEOUT = 3.0
+# Rank 0's four calls take about 4.2 timeouts; rank 1 stays silent well past them, and past
+# 10 s from the second call's start, so that a call hanging until rank 1 wakes still fails the
+# test's bound.
+SILENCE = 13.0  # seconds rank 1 stays silent
+TIMEOUT = 2.0
 
 
 def _mlp() -> nn.Sequential:

@@ -1,5 +1,20 @@
 """Real gloo process groups on localhost for the distributed tests (see pipeline.group.launch)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
 from pipeline.group.launch import free_port, run_ranks, run_ranks_raw
 
-__all__ = ["free_port", "run_ranks", "run_ranks_raw"]
+__all__ = ["free_port", "in_turn", "run_ranks", "run_ranks_raw"]
+
+
+def in_turn(rank: int, world: int,
+            calls: Sequence[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+    """Several rank functions in one spawn, ``(function, args)`` each, results in order.
+
+    Spawning ranks costs seconds each time (a process, torch's import, a process group);
+    the calls share the group, so each must leave it usable for the next (a call that
+    breaks a pipeline on purpose goes last)."""
+    return [function(rank, world, *args) for function, args in calls]

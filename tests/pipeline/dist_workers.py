@@ -400,7 +400,7 @@ class SilentLayer(nn.Module):
         return x
 
 
-def silent_peer(rank: int, world: int, seconds: float) -> Any:
+def silent_peer(rank: int, world: int, seconds: float, timeout: float) -> Any:
     """Rank 0 goes silent in its last backward of the first step; rank 1 has by then all it
     needs (the loss came with the backward messages) and finishes that step. Each rank's
     steps, three in turn: (outcome, seconds, error text)."""
@@ -410,7 +410,7 @@ def silent_peer(rank: int, world: int, seconds: float) -> Any:
     layers = list(deep_mlp())
     model = nn.Sequential(layers[0], SilentLayer(seconds if rank == 0 else 0.0), *layers[1:])
     pipe = Pipe(model, chunks=4, schedule="gpipe", checkpoint="never", loss_fn=nn.MSELoss(),
-                group=dist.group.WORLD, timeout=5.0)
+                group=dist.group.WORLD, timeout=timeout)
     outcomes = []
     for _ in range(3):
         started = time.monotonic()

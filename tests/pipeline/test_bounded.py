@@ -1,20 +1,33 @@
 """Every collective is bounded by the Pipe's timeout: a silent peer is an error, not a hang.
 
-Rank 1 builds four Pipes (``timeout=3``) and goes silent for 16 s; rank 0 calls
+Rank 1 builds four Pipes (``timeout=2``) and goes silent for 13 s; rank 0 calls
 ``gather_state_dict``, ``step``, ``predict`` and ``close`` on them in turn, then
 ``save_state_dict``: each returns or raises within 10 s.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import bounded_workers
-from dist_harness import run_ranks
+from dist_harness import in_turn, run_ranks
 
 
-def test_a_silent_peer_bounds_every_call_by_the_timeout() -> None:
-    waiting, silent = run_ranks(bounded_workers.silent_during_every_call, 2, timeout=120)
+@pytest.fixture(scope="module")
+def alone_then_silent() -> list[tuple[Any, Any]]:
+    """One spawn of 2 ranks (each spawn costs seconds): the ordered transport's
+    ``lone_validation``, whose Pipe on the world group it leaves broken, then
+    ``silent_during_every_call``, whose Pipes are on fresh groups. Per rank, both."""
+    calls = [(bounded_workers.lone_validation, ("ordered",)),
+             (bounded_workers.silent_during_every_call, ())]
+    return run_ranks(in_turn, 2, calls, timeout=240)
+
+
+def test_a_silent_peer_bounds_every_call_by_the_timeout(
+        alone_then_silent: list[tuple[Any, Any]]) -> None:
+    waiting, silent = [silent for _, silent in alone_then_silent]
     assert silent == []
     assert [name for name, _, _ in waiting] == [
         "gather_state_dict", "step", "predict", "close", "save_state_dict"]
@@ -24,17 +37,30 @@ def test_a_silent_peer_bounds_every_call_by_the_timeout() -> None:
             assert outcome.startswith("PeerError"), (name, outcome)
 
 
-def test_pipes_dropped_without_close_release_their_descriptors() -> None:
-    for before, after in run_ranks(bounded_workers.dropped_pipes, 2, 20, timeout=180):
+@pytest.fixture(scope="module")
+def dropped_then_alone() -> list[tuple[tuple[int, int], Any]]:
+    """One spawn of 2 ranks (each spawn costs seconds): ``dropped_pipes``, then the gloo
+    transport's ``lone_validation``, which leaves its Pipe broken, last. Per rank, both."""
+    calls = [(bounded_workers.dropped_pipes, (20,)), (bounded_workers.lone_validation, ("gloo",))]
+    return run_ranks(in_turn, 2, calls, timeout=240)
+
+
+def test_pipes_dropped_without_close_release_their_descriptors(
+        dropped_then_alone: list[tuple[tuple[int, int], Any]]) -> None:
+    for (before, after), _ in dropped_then_alone:
         assert after <= before + 5, (before, after)  # 5 a Pipe before: 100 more
 
 
 @pytest.mark.parametrize("transport", ["gloo", "ordered"])
-def test_a_call_one_rank_makes_alone_is_an_error_on_every_rank(transport: str) -> None:
+def test_a_call_one_rank_makes_alone_is_an_error_on_every_rank(
+        transport: str, request: pytest.FixtureRequest) -> None:
     """Rank 0 validates alone (pipe(x)), then both step: no rank trains on the other call's
     activations; each rank's calls end within 10 s, each rank gets an error, and no gradient
     was touched."""
-    first, second = run_ranks(bounded_workers.lone_validation, 2, transport, timeout=120)
+    if transport == "gloo":
+        first, second = [alone for _, alone in request.getfixturevalue("dropped_then_alone")]
+    else:
+        first, second = [alone for alone, _ in request.getfixturevalue("alone_then_silent")]
     for calls in (first, second):
         *outcomes, (_, untouched, _) = calls
         assert untouched == "True", calls

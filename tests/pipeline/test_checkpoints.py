@@ -33,7 +33,7 @@ from checkpoint_workers import (
     train_and_save,
     train_pipe,
 )
-from dist_harness import run_ranks
+from dist_harness import in_turn, run_ranks
 from dist_workers import deep_mlp
 from pipeline import Pipe
 from pipeline.checkpoints import (
@@ -52,6 +52,22 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str
     """Checkpoints written by 2 ranks (one per optimizer), and what each rank saved."""
     directory = tmp_path_factory.mktemp("checkpoints")
     return directory, [_tensors(result) for result in run_ranks(train_and_save, 2, str(directory))]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(saved: tuple[Path, list[dict[str, Any]]],
+               tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any], Path]:
+    """One spawn of 4 ranks for both 4-rank tests (each spawn costs seconds), in turn: the
+    2-rank checkpoint resumed and trained on, then (pp, dp) = (2, 2) replicas saving one
+    checkpoint. Per rank, each result; and where the replicas saved."""
+    from checkpoint_workers import mesh_train_and_save
+
+    directory, _ = saved
+    replicated = tmp_path_factory.mktemp("replicated") / "dp"
+    calls = [(resume_and_train, (str(directory),)), (mesh_train_and_save, (str(replicated),))]
+    per_rank = [[_tensors(result) for result in results]
+                for results in run_ranks(in_turn, 4, calls)]
+    return [resumed for resumed, _ in per_rank], [held for _, held in per_rank], replicated
 
 
 def _tensors(tree: Any) -> Any:
@@ -83,9 +99,10 @@ def test_the_two_ranks_saved_what_the_plain_model_holds(
 
 
 def test_a_two_rank_checkpoint_resumes_on_four_ranks(
-        saved: tuple[Path, list[dict[str, Any]]]) -> None:
-    directory, per_rank_saved = saved
-    resumed = [_tensors(result) for result in run_ranks(resume_and_train, 4, str(directory))]
+        saved: tuple[Path, list[dict[str, Any]]],
+        four_ranks: tuple[list[Any], list[Any], Path]) -> None:
+    _, per_rank_saved = saved
+    resumed, _, _ = four_ranks
     for name in OPTIMIZERS:
         model, _ = reference_run(name, STEPS_BEFORE_SAVE + STEPS_AFTER_LOAD)
         assert [result[name]["step"] for result in resumed] == [STEPS_BEFORE_SAVE] * 4
@@ -232,10 +249,9 @@ def test_a_saver_killed_midway_leaves_a_directory_that_is_refused(tmp_path: Path
     assert load_into_model(model, torch.optim.SGD(model.parameters(), lr=0.1), target) == 5
 
 
-def test_data_parallel_replicas_save_one_checkpoint_the_plain_model_loads(tmp_path: Path) -> None:
-    from checkpoint_workers import mesh_train_and_save
-
-    held = [_tensors(result) for result in run_ranks(mesh_train_and_save, 4, str(tmp_path / "dp"))]
+def test_data_parallel_replicas_save_one_checkpoint_the_plain_model_loads(
+        four_ranks: tuple[list[Any], list[Any], Path]) -> None:
+    _, held, replicated = four_ranks
     model = deep_mlp()
     optimizer = OPTIMIZERS["adam"](model.parameters())
     for step in range(STEPS_BEFORE_SAVE):  # the replicas' average: the plain model on both
@@ -247,7 +263,7 @@ def test_data_parallel_replicas_save_one_checkpoint_the_plain_model_loads(tmp_pa
     expected = named_parameters(model)
     loaded = deep_mlp()
     loaded_optimizer = OPTIMIZERS["adam"](loaded.parameters())
-    assert load_into_model(loaded, loaded_optimizer, tmp_path / "dp") == STEPS_BEFORE_SAVE
+    assert load_into_model(loaded, loaded_optimizer, replicated) == STEPS_BEFORE_SAVE
     assert _worst(named_parameters(loaded), expected) < TOLERANCE
     assert _worst(optimizer_state(loaded, loaded_optimizer), optimizer_state(model, optimizer)) \
         < TOLERANCE

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dist_harness import run_ranks
+from typing import Any
+
+import pytest
+
+from dist_harness import in_turn, run_ranks
 from dist_workers import MODES, SCHEDULES, equivalence, timeline_on_one_clock
 
 TOLERANCE = 1e-10
@@ -23,8 +27,16 @@ def _check(rows_by_rank: list[list[tuple]], world: int) -> None:
     assert total == 16, "every layer's weight and bias is checked on exactly one rank"
 
 
-def test_two_ranks_every_schedule_and_mode() -> None:
-    rows = run_ranks(equivalence, 2, SCHEDULES, (3, 4))
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """One spawn of 2 ranks for both 2-rank tests (each spawn costs seconds), in turn."""
+    calls = {"equivalence": (equivalence, (SCHEDULES, (3, 4))),
+             "timeline": (timeline_on_one_clock, ())}
+    return [dict(zip(calls, results)) for results in run_ranks(in_turn, 2, list(calls.values()))]
+
+
+def test_two_ranks_every_schedule_and_mode(two_ranks: list[dict[str, Any]]) -> None:
+    rows = [found["equivalence"] for found in two_ranks]
     assert len(rows[0]) == len(SCHEDULES) * len(MODES) * 2
     _check(rows, 2)
 
@@ -34,8 +46,8 @@ def test_four_ranks_every_schedule_and_mode() -> None:
     _check(rows, 4)
 
 
-def test_measured_timeline_is_on_one_clock() -> None:
-    results = run_ranks(timeline_on_one_clock, 2)
+def test_measured_timeline_is_on_one_clock(two_ranks: list[dict[str, Any]]) -> None:
+    results = [found["timeline"] for found in two_ranks]
     orders_match, slack, events, bubble = results[0]
     assert results[1] is True  # only rank 0 holds the gathered timeline
     assert orders_match

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dist_harness import run_ranks
+import pytest
+
+from dist_harness import in_turn, run_ranks
 from dist_workers import equivalence, naive_plan_under_nccl_rules
 
 from schedules import CommPlan, Group, Op, comm_plan, forward_only, get_schedule, schedule_names
@@ -28,9 +30,22 @@ def _check(rows_by_rank: list[list[tuple]]) -> None:
             assert compared > 0, f"{where}: no local gradients"
 
 
-def test_every_schedule_on_two_ranks_under_nccl_rules() -> None:
-    rows = run_ranks(equivalence, 2, schedule_names(), (4, 5), "ordered",
-                     ("always", "never"), 30.0, timeout=240)
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """One spawn of 2 ranks for every 2-rank test (each spawn costs seconds), the rank
+    functions in turn: per rank, each result by name; the plan that hangs goes last."""
+    calls = {
+        "equivalence": (equivalence, (schedule_names(), (4, 5), "ordered", ("always", "never"),
+                                      30.0)),
+        "channels": (gloo_channels_follow_the_plan, ()),
+        "naive": (naive_plan_under_nccl_rules, ()),
+    }
+    return [dict(zip(calls, results))
+            for results in run_ranks(in_turn, 2, list(calls.values()), timeout=300)]
+
+
+def test_every_schedule_on_two_ranks_under_nccl_rules(two_ranks: list[dict[str, Any]]) -> None:
+    rows = [found["equivalence"] for found in two_ranks]
     assert len(rows[0]) == len(schedule_names()) * 2 * 2
     _check(rows)
 
@@ -42,8 +57,9 @@ def test_every_schedule_on_four_ranks_under_nccl_rules() -> None:
     _check(rows)
 
 
-def test_the_old_posting_order_hangs_under_the_same_rules_and_times_out() -> None:
-    results = run_ranks(naive_plan_under_nccl_rules, 2, timeout=60)
+def test_the_old_posting_order_hangs_under_the_same_rules_and_times_out(
+        two_ranks: list[dict[str, Any]]) -> None:
+    results = [found["naive"] for found in two_ranks]
     for outcome, seconds, message in results:
         assert outcome == "PeerError", "the check would not catch a hang"
         assert seconds < 10
@@ -118,9 +134,10 @@ def gloo_channels_follow_the_plan(rank: int, world: int) -> dict[str, Any]:
     return {"seen": seen, "received": received, "refusal": refusal}
 
 
-def test_the_gloo_transport_sends_each_message_on_the_plans_channel() -> None:
+def test_the_gloo_transport_sends_each_message_on_the_plans_channel(
+        two_ranks: list[dict[str, Any]]) -> None:
     expected = {("training", "F"): 1, ("training", "B"): 0, ("forward", "F"): 0}
-    for rank, result in enumerate(run_ranks(gloo_channels_follow_the_plan, 2, timeout=120)):
+    for rank, result in enumerate(found["channels"] for found in two_ranks):
         assert result["received"] and all(result["received"]), f"rank {rank}: wrong payloads"
         seen = result["seen"]
         # Both plans' messages, both directions, and each plan's ops: all of them were seen.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from pipeline.predict.overheads import action_overhead
 from pipeline.predict.step import predict_step
 from schedules import Link, get_schedule
 
-from tests.pipeline.dist_harness import run_ranks
+from tests.pipeline.dist_harness import in_turn, run_ranks
 from tests.pipeline.predict_workers import (
     batch,
     bn_mlp,
@@ -175,9 +176,24 @@ def test_uneven_microbatches_scale_the_costs() -> None:
 # -- predicting on 2 gloo ranks -----------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """One spawn of 2 ranks for every 2-rank test (each spawn costs seconds), the rank
+    functions in turn: per rank, each result by name. The calibration runs first, in a
+    fresh process as alone; the call that fails on purpose, last."""
+    calls = {
+        "calibrated": (calibrated_links, ()),
+        "1f1b": (predict_untouched, ("1f1b",)),
+        "zb-v": (predict_untouched, ("zb-v",)),
+        "missing_target": (predict_missing_target, ()),
+    }
+    return [dict(zip(calls, results)) for results in run_ranks(in_turn, 2, list(calls.values()))]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
-def test_predict_agrees_on_every_rank_and_does_not_train(schedule: str) -> None:
-    results = run_ranks(predict_untouched, 2, schedule)
+def test_predict_agrees_on_every_rank_and_does_not_train(
+        two_ranks: list[dict[str, Any]], schedule: str) -> None:
+    results = [found[schedule] for found in two_ranks]
     for rank, result in enumerate(results):
         assert result["changed"] == [], f"rank {rank} changed {result['changed']}"
         assert result["makespan"] > 0
@@ -186,8 +202,8 @@ def test_predict_agrees_on_every_rank_and_does_not_train(schedule: str) -> None:
     assert results[0]["peak_bytes"] == results[1]["peak_bytes"]
 
 
-def test_a_missing_target_fails_on_every_rank() -> None:
-    messages = run_ranks(predict_missing_target, 2)
+def test_a_missing_target_fails_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    messages = [found["missing_target"] for found in two_ranks]
     assert all("target" in message for message in messages), messages
 
 
@@ -250,8 +266,9 @@ def test_a_send_costs_the_sending_action_not_the_hop() -> None:
     assert refined(hops, 1.2, 100).senders == hops.senders
 
 
-def test_calibrating_across_ranks_measures_what_a_send_costs_its_sender() -> None:
-    links = run_ranks(calibrated_links, 2)
+def test_calibrating_across_ranks_measures_what_a_send_costs_its_sender(
+        two_ranks: list[dict[str, Any]]) -> None:
+    links = [found["calibrated"] for found in two_ranks]
     assert links[0] == links[1]
     (source, destination, latency, bandwidth), = links[0]["senders"][:1]
     assert (source, destination) == (0, 1) and 0 < latency < 0.1 and bandwidth > 0

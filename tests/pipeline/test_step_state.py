@@ -10,13 +10,14 @@ counts each step's part once). In one process and on 2 gloo ranks.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import step_state_workers as workers
-from dist_harness import run_ranks
+from dist_harness import in_turn, run_ranks
 from pipeline import Pipe
 from pipeline.runtime.step_state import NOTE
 
@@ -66,16 +67,34 @@ def test_a_successful_step_accumulates_into_the_same_tensors() -> None:
     assert all(p.grad is before[name] for name, p in model.named_parameters())
 
 
+@pytest.fixture(scope="module")
+def on_ranks() -> dict[tuple[str, str], Any]:
+    """Every 2-rank case, by (worker, schedule), from two spawns of 2 ranks (each spawn
+    costs seconds), the cases in turn; a failed step leaves messages in flight on its
+    group, so each spawn ends with one."""
+    spawns = [[("tied", "1f1b"), ("tied", "zb-h1"), ("failed", "1f1b")],
+              [("tied", "zb-v"), ("failed", "zb-h1")]]
+    functions = {"tied": workers.tied_accumulation, "failed": workers.failed_step}
+    found: dict[tuple[str, str], Any] = {}
+    for cases in spawns:
+        calls = [(functions[name], (schedule,)) for name, schedule in cases]
+        per_rank = run_ranks(in_turn, 2, calls, timeout=240)
+        for index, case in enumerate(cases):
+            found[case] = [results[index] for results in per_rank]
+    return found
+
+
 @pytest.mark.parametrize("schedule", ("1f1b", "zb-h1", "zb-v"))
-def test_tied_weights_accumulate_exactly_across_ranks(schedule: str) -> None:
-    for difference in run_ranks(workers.tied_accumulation, 2, schedule):
+def test_tied_weights_accumulate_exactly_across_ranks(
+        on_ranks: dict[tuple[str, str], Any], schedule: str) -> None:
+    for difference in on_ranks["tied", schedule]:
         assert difference < TOLERANCE
 
 
 @pytest.mark.parametrize("schedule", ("1f1b", "zb-h1"))
-def test_a_failed_step_leaves_every_rank_as_before(schedule: str) -> None:
-    for same_grads, same_statistics, message, difference in run_ranks(
-            workers.failed_step, 2, schedule, timeout=120):
+def test_a_failed_step_leaves_every_rank_as_before(
+        on_ranks: dict[tuple[str, str], Any], schedule: str) -> None:
+    for same_grads, same_statistics, message, difference in on_ranks["failed", schedule]:
         assert same_grads and same_statistics, message
         assert NOTE in message
         assert difference < TOLERANCE
