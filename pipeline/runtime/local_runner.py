@@ -96,10 +96,14 @@ class LocalRunner:
         results: list[Any] = [None] * self.schedule.stages
         errors: list[tuple[int, BaseException]] = []
 
+        began = [threading.Event() for _ in range(self.schedule.stages)]
         finished = [threading.Event() for _ in range(self.schedule.stages)]
 
         def worker(stage: int) -> None:
+            began[stage].set()
             try:
+                if transport.aborted:
+                    return  # the caller was interrupted before this thread ran: touch nothing
                 with ExitStack() as stack:
                     stack.enter_context(caller.applied())
                     if self.streams[stage] is not None:
@@ -112,28 +116,30 @@ class LocalRunner:
             finally:
                 finished[stage].set()
 
+        # Daemons: a stage thread never holds up the interpreter's exit, whatever a second
+        # Ctrl-C interrupts; the events say when each stage's work is done.
         threads = [
-            threading.Thread(target=worker, args=(stage,), name=f"pipesched-stage-{stage}")
+            threading.Thread(target=worker, args=(stage,), name=f"pipesched-stage-{stage}",
+                             daemon=True)
             for stage in range(self.schedule.stages)
         ]
-        for thread in threads:
-            thread.start()
         try:
+            for thread in threads:
+                thread.start()
             # Events, not Thread.join: a KeyboardInterrupt inside join can leave the thread's
-            # lock taken, and the next join (or the interpreter's exit) waits forever.
+            # lock taken, and the next join waits forever.
             for event in finished:
                 event.wait()
         except BaseException:
-            # Ctrl-C while the stages run: each stops at its next wait, and the step's state
-            # is restored only once none of them can write to it any more.
+            # Ctrl-C while the stages start or run: each stops at its next wait, and the
+            # step's state is restored only once none of them can write to it any more. A
+            # stage whose thread has not begun by now (Ctrl-C between two starts) never will
+            # work: it finds the transport aborted.
             transport.abort("interrupted: the caller stopped the step")
-            for event in finished:
-                event.wait()
-            for thread in threads:
-                thread.join()
+            for stage in range(self.schedule.stages):
+                if began[stage].is_set():
+                    finished[stage].wait()
             raise
-        for thread in threads:
-            thread.join()
         if errors:
             root = [e for e in errors if not isinstance(e[1], PipelineAborted)] or errors
             raise root[0][1]

@@ -47,6 +47,11 @@ class LocalTransport:
                 self._failed = reason
             self._ready.notify_all()
 
+    @property
+    def aborted(self) -> bool:
+        """Whether ``abort`` was called: every wait raises from then on."""
+        return self._failed is not None
+
     def endpoint(self, stage: int) -> LocalEndpoint:
         return LocalEndpoint(self, stage)
 

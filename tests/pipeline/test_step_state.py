@@ -156,3 +156,43 @@ def test_ctrl_c_ends_a_one_process_step_and_the_program_cleanly(schedule: str, t
     assert time.monotonic() - interrupted < 10
     assert process.returncode == -signal.SIGINT, err[-2000:]
     assert "terminate called" not in err and "KeyboardInterrupt" in err
+
+
+def test_ctrl_c_between_two_stage_starts_leaves_no_stage_waiting(monkeypatch) -> None:
+    """Ctrl-C can land while the stage threads start (found by interrupting a stepping
+    program 25 times: once the started stage waited for the other forever, and the
+    interpreter's exit with it). Interrupted right after stage 0 starts, the step raises,
+    no stage thread is left, ``.grad`` is as before, and the next step accumulates exactly."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = Pipe(model, 4, balance=[2, 2], devices=["cpu", "cpu"], loss_fn=nn.MSELoss())
+    pipe.step(x, y)
+    nn.MSELoss()(reference(x), y).backward()
+    before = {name: (p.grad, p.grad.clone()) for name, p in model.named_parameters()}
+    start = threading.Thread.start
+
+    def interrupted_after_the_first_stage(thread: threading.Thread) -> None:
+        start(thread)
+        if thread.name == "pipesched-stage-0":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_after_the_first_stage)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(x, y)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("pipesched-stage") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a stage thread still waits after Ctrl-C"
+        time.sleep(0.05)
+    for name, p in model.named_parameters():
+        assert p.grad is before[name][0] and torch.equal(p.grad, before[name][1]), name
+    pipe.step(x, y)
+    nn.MSELoss()(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=TOLERANCE)
+    pipe.close()
