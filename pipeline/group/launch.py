@@ -12,6 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 
+FAILED_PEER_GRACE = 30.0  # seconds the other ranks get to answer once one has failed
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
@@ -63,7 +66,8 @@ def run_ranks_raw(
 
     Returns:
         ``{rank: ("ok", result)}`` or ``{rank: ("error", text)}``; a rank that died
-        without a word, or did not answer in time, reports an error too. Every
+        without a word, or did not answer in time (``timeout``, or
+        ``FAILED_PEER_GRACE`` after another rank failed), reports an error too. Every
         process has ended when this returns.
     """
     context = multiprocessing.get_context("spawn")
@@ -83,6 +87,11 @@ def run_ranks_raw(
             try:
                 rank, status, value = results.get(timeout=0.2)
                 answers[rank] = (status, value)
+                if status != "ok":
+                    # Its peers may wait for it in a collective, or at start-up in the
+                    # store, for the process group's whole timeout: give them a moment
+                    # to fail too, then report what failed first.
+                    deadline = min(deadline, time.monotonic() + FAILED_PEER_GRACE)
             except queue_module.Empty:
                 silent = [rank for rank in range(world) if rank not in answers]
                 if all(not processes[rank].is_alive() for rank in silent):
