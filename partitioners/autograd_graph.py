@@ -23,6 +23,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from torch.autograd.graph import Node
+from torch.utils.checkpoint import CheckpointFunction
+
+_REENTRANT = CheckpointFunction._backward_cls
 
 Slot = tuple[Node, int]  # where a gradient enters a node: (node, input_nr)
 
@@ -49,11 +52,15 @@ class GraphSplit(NamedTuple):
             a root off the chain is a weight-side root that W seeds directly.
         junctions: every chain node with exits, in no particular order.
         parents: every node's parents (the nodes with an edge to it).
+        reentrant: whether a chain node runs a backward of its own inside the engine
+            (``torch.utils.checkpoint`` with ``use_reentrant=True``): its parameters are
+            not in this graph, and it refuses an engine call that names inputs.
     """
 
     on_chain: tuple[bool, ...]
     junctions: tuple[Junction, ...]
     parents: dict[Node, list[Node]]
+    reentrant: bool
 
 
 def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
@@ -98,4 +105,5 @@ def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
         )
         if exits:
             junctions.append(Junction(node, exits))
-    return GraphSplit(tuple(root in chain for root in roots), tuple(junctions), parents)
+    reentrant = any(isinstance(node, _REENTRANT) for node in chain)
+    return GraphSplit(tuple(root in chain for root in roots), tuple(junctions), parents, reentrant)

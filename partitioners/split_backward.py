@@ -25,7 +25,7 @@ or not its path meets an input.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +159,32 @@ def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> 
     return [(slot, grad) for slot, grad in zip(slots, found) if grad is not None]
 
 
+def _whole_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    inputs: Sequence[torch.Tensor]) -> Grads:
+    """I as a whole backward, weight gradients included (W then has nothing to do).
+
+    For a graph with a reentrant checkpoint, whose backward runs the engine again and
+    refuses a call that names inputs: the inputs' gradients are read by hooks, and a
+    leaf input's ``.grad`` is set as a plain backward sets it.
+    """
+    found: list[torch.Tensor | None] = [None] * len(inputs)
+
+    def keep(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            found[index] = grad  # called once, with the tensor's whole gradient
+        return hook
+
+    # torch declares no types for Tensor.register_hook.
+    handles = [tensor.register_hook(keep(index))  # type: ignore[no-untyped-call]
+               for index, tensor in enumerate(inputs)]
+    try:
+        _engine(roots, grads, keep_graph=False, accumulate=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(found)
+
+
 def _fusable(split: GraphSplit) -> list[Junction]:
     """The norms whose exits I may ask the engine for (``weight_rules.FUSED``).
 
@@ -197,6 +223,8 @@ def backward_input(
     root_edges = [get_gradient_edge(root) for root in roots]
     input_edges = [get_gradient_edge(leaf) for leaf in inputs]
     split = split_graph([edge.node for edge in root_edges], [edge.node for edge in input_edges])
+    if split.reentrant:
+        return _whole_backward(roots, grads, inputs), WeightGradients([], [])
     seeds = [((edge.node, edge.output_nr), g)
              for edge, g, on_chain in zip(root_edges, grads, split.on_chain) if not on_chain]
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]

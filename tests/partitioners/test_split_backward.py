@@ -324,3 +324,26 @@ def test_a_norm_whose_weight_is_used_again_in_the_chunk():
     too, and W would add it a second time (norm.weight off by 1.76 before)."""
     _compare(NormWeightUsedAgain(), lambda: torch.randn(4, 16))
     _compare(nn.Sequential(NormWeightUsedAgain(), nn.Tanh(), NormWeightUsedAgain()), lambda: torch.randn(4, 16))
+
+
+class Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_makes_i_a_whole_backward():
+    """A reentrant checkpoint's backward runs the engine again and refuses a call that names
+    inputs (torch raised in I before); its parameters are not in the outer graph at all. I
+    then runs the whole backward (weight gradients too) and W has nothing left."""
+    model = nn.Sequential(nn.Linear(16, 16), Reentrant(), nn.Linear(16, 16))
+    _compare(model, tokens)
+    x = tokens().requires_grad_()
+    out = model(x)
+    _, weights = backward_input([out], [torch.ones_like(out)], [x])
+    assert weights.empty and all(p.grad is not None for p in model.parameters())

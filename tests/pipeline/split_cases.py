@@ -74,6 +74,20 @@ class TemperatureLoss(nn.Module):
         return nn.functional.cross_entropy(logits * self.log_scale.exp(), target)
 
 
+class Reentrant(nn.Module):
+    """A block under ``checkpoint(use_reentrant=True)``: its backward runs the engine again,
+    and refuses an engine call that names inputs (as I's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=True)
+
+
 def _repeat_model(kind: type[Repeat]) -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), kind(), Join(), nn.Linear(WIDTH, WIDTH),
                          kind(), Join(), nn.Linear(WIDTH, 3))
@@ -90,6 +104,11 @@ def _shared_block_model() -> nn.Sequential:
     block = Block()
     return nn.Sequential(block, block, block, nn.Linear(WIDTH, WIDTH), nn.Tanh(),
                          nn.Linear(WIDTH, 3))
+
+
+def _reentrant_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Reentrant(), Reentrant(), nn.Linear(WIDTH, WIDTH),
+                         Reentrant(), nn.Linear(WIDTH, 3))
 
 
 def _mlp() -> nn.Sequential:
@@ -113,6 +132,7 @@ CASES = {
     "weight tied in a chunk": Case(_tied_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
     "one block at three positions": Case(_shared_block_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
     "loss with a parameter": Case(_mlp, TemperatureLoss, (3, 3), (3, 1, 1, 1)),
+    "reentrant checkpoint": Case(_reentrant_model, nn.CrossEntropyLoss, (3, 3), (2, 2, 1, 1)),
 }
 
 
