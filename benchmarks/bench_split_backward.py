@@ -4,6 +4,7 @@ Run from the repository root (one process, one thread; about a minute):
 
     python benchmarks/bench_split_backward.py
     python benchmarks/bench_split_backward.py --repeat 60 --stages gpt
+    python benchmarks/bench_split_backward.py --device cuda   # on a GPU
 
 Three stages, each fed one micro-batch: (a) ``gpt``, two pre-LayerNorm blocks
 (``nn.MultiheadAttention``, MLP 128 -> 512 -> 128, residuals) on 4 x 64 tokens,
@@ -111,9 +112,16 @@ def make_stage(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 def _timed(work: Callable[[], Any]) -> float:
+    _synchronize()
     start = time.perf_counter()
     work()
+    _synchronize()
     return time.perf_counter() - start
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def one_round(model: nn.Module, x: torch.Tensor, first: int) -> dict[str, float]:
@@ -154,9 +162,10 @@ def one_round(model: nn.Module, x: torch.Tensor, first: int) -> dict[str, float]
     return times
 
 
-def measure(name: str, repeat: int, warmup: int = 3) -> dict[str, float]:
-    """Medians over ``repeat`` rounds (after ``warmup``) for one stage."""
+def measure(name: str, repeat: int, warmup: int = 3, device: str = "cpu") -> dict[str, float]:
+    """Medians over ``repeat`` rounds (after ``warmup``) for one stage, on ``device``."""
     model, x = make_stage(name)
+    model, x = model.to(device), x.to(device)
     rounds = [one_round(model, x, index % 3) for index in range(warmup + repeat)][warmup:]
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipe", action="store_true", help="the Pipe table of issue 22 instead")
     parser.add_argument("--memory", action="store_true",
                         help="plan's predicted activation memory against the measured instead")
+    parser.add_argument("--device", default="cpu", help="where the stages run (cuda: timed "
+                        "with synchronisation; the caching allocator keeps pages anyway)")
     parser.add_argument("--keep-pages", action="store_true",
                         help="glibc keeps freed memory (as a caching allocator does)")
     args = parser.parse_args(argv)
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'torch I':>8} {'torch W':>8} {'torch/B':>8}  bar")
     missed = False
     for name in args.stages:
-        t = measure(name, args.repeat)
+        t = measure(name, args.repeat, device=args.device)
         ours = (t["I"] + t["W"]) / t["B"]
         theirs = (t["torch I"] + t["torch W"]) / t["B"]
         ok = ours <= BARS[name] and ours <= theirs

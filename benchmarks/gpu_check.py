@@ -6,7 +6,7 @@ default; about a minute on one H200):
     .venv/bin/python benchmarks/gpu_check.py --budget 240 2>&1 | tee gpu_check.log
 
 Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]``, ``[predict]``,
-``[mesh]`` or ``[summary]``:
+``[mesh]``, ``[split]`` or ``[summary]``:
 
 1. torch and CUDA versions, the devices, NCCL's availability and version.
 2. ``examples/gpt.py``'s GPT (tied head, padded targets, dropout 0) in float64 on
@@ -33,6 +33,11 @@ Parts, each line labelled ``[env]``, ``[exact]``, ``[bf16]``, ``[nccl]``, ``[pre
    bytes of parameters, gradients and Adam state per rank, FSDP against replicated, are
    printed as a fact. A watchdog reports a combination without an answer as HANG. With
    fewer GPUs the part is skipped and says why.
+
+7. ``[split]``: the split backward's price on one GPU, ``bench_split_backward.py``'s GPT
+   and ResNet stages: B against our I + W and torch.distributed.pipelining's, medians
+   of interleaved rounds (figures against issue 22's 1.10 bar, not a verdict: on the
+   CPU, Python around the kernels keeps it above; on a GPU it runs ahead of them).
 
 The last line counts PASS / FAIL / HANG and what the budget left out; the exit code is
 1 on any FAIL or HANG, else 0. Without CUDA it says so and exits 0. ``--cpu-dry-run``
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         report.line("mesh", "not run: --cpu-dry-run checks parts 2, 3 and 5 only (add --gloo)")
     else:
         mesh_part(report, "gloo" if dry else "nccl")
+    split_part(report, dry)
     code = report.summary()
     if report.counts["HANG"]:
         os._exit(code)  # a hung stage thread could block the interpreter's shutdown
@@ -303,6 +309,32 @@ def predict_part(report: Report, dry: bool) -> None:
         report.outcome("predict", "HANG", "predicted step", f"not done in {seconds:.0f} s")
     elif status == "error":
         report.outcome("predict", "FAIL", "predicted step", short(value))
+
+
+def split_part(report: Report, dry: bool) -> None:
+    """Part 7 under what is left of the budget: figures, an exception is a FAIL."""
+    from bench_split_backward import BARS, measure
+
+    needed = 5.0 if dry else 30.0
+    if report.left() < needed:
+        report.skip("split", "the split backward's price")
+        return
+    stages, repeat, warmup = (("gpt",), 2, 1) if dry else (("gpt", "resnet"), 30, 5)
+
+    def run() -> None:
+        for name in stages:
+            t = measure(name, repeat, warmup, device="cpu" if dry else "cuda:0")
+            ours, theirs = (t["I"] + t["W"]) / t["B"], (t["torch I"] + t["torch W"]) / t["B"]
+            report.line("split", f"{name}: B {t['B'] * 1e3:.3f} ms, I {t['I'] * 1e3:.3f}, "
+                                 f"W {t['W'] * 1e3:.3f}: (I+W)/B {ours:.2f} (bar {BARS[name]:.2f}), "
+                                 f"torch's {theirs:.2f}")
+
+    seconds = min(report.left(), 120.0)
+    status, value = bounded(run, seconds)
+    if status == "hang":
+        report.outcome("split", "HANG", "split backward", f"not done in {seconds:.0f} s")
+    elif status == "error":
+        report.outcome("split", "FAIL", "split backward", short(value))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def test_the_dry_run_passes_every_schedule_and_mode_and_the_bf16_step() -> None:
     assert "ratio pipe/unpipelined" in done.stdout
     predicted = [line.split()[1] for line in lines(done, "[predict] ") if "(spread" in line]
     assert predicted == ["1f1b", "zb-h1", "interleaved-1f1b"], output[-4000:]
+    split = lines(done, "[split] gpt: B ")
+    assert len(split) == 1 and "(I+W)/B" in split[0] and "torch's" in split[0], output[-4000:]
     count = len(expected) + 1
     assert f"[summary] PASS {count}  FAIL 0  HANG 0  NOT RUN 0" in done.stdout, output[-4000:]
     assert done.stdout.rstrip().endswith("[summary] RESULT OK")
@@ -67,7 +69,8 @@ def test_a_spent_budget_says_what_was_not_run() -> None:
     assert [line.split()[4] for line in lines(done, "[exact] NOT RUN")] == \
         ["always", "except_last", "never"], output[-4000:]
     assert lines(done, "[bf16] NOT RUN") and lines(done, "[predict] NOT RUN"), output[-4000:]
-    assert "NOT RUN 5" in done.stdout and "[summary] RESULT INCOMPLETE" in done.stdout
+    assert lines(done, "[split] NOT RUN"), output[-4000:]
+    assert "NOT RUN 6" in done.stdout and "[summary] RESULT INCOMPLETE" in done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real check")
