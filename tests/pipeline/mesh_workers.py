@@ -150,12 +150,6 @@ def sharded_units(pipe: Any) -> int:
     return len(pipe._runner.data_parallel.units)
 
 
-def in_turn(rank: int, world: int, calls: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
-    """Several of this module's workers in one spawn: ``(name, args)`` each, results in order
-    (spawning 4 ranks costs seconds; the meshes they build are independent)."""
-    return [globals()[name](rank, world, *args) for name, args in calls]
-
-
 def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int, dict[str, int]]:
     """One profiled step (after a first one) of the GPT on (pp, dp) = (2, 2) under FSDP: this
     rank's units and how many all-gathers and reduce-scatters FSDP2 ran, per kind.

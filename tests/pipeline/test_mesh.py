@@ -19,14 +19,14 @@ import pytest
 import torch
 
 import zoo
-from dist_harness import run_ranks
+import mesh_workers
+from dist_harness import in_turn, run_ranks
 from mesh_workers import (
     CHUNKS,
     STEPS_AFTER_LOAD,
     STEPS_BEFORE_SAVE,
     adam,
     held_parameters,
-    in_turn,
     mesh_gpt,
     reference_parameters,
     step_batch,
@@ -50,7 +50,7 @@ SHAPES = {(2, 2, 2): PATTERN, (2, 4, 1): FLIPPED, (4, 2, 1): FLIPPED, (2, 1, 4):
 def eight_ranks() -> list[dict[tuple[int, ...], Any]]:
     """One spawn of 8 ranks (spawning them costs seconds), a mesh per shape in turn: per
     rank, each shape's rows (``gpt_exact``)."""
-    calls = [("gpt_exact", (shape, combinations)) for shape, combinations in SHAPES.items()]
+    calls = [(mesh_workers.gpt_exact, (shape, combinations)) for shape, combinations in SHAPES.items()]
     return [dict(zip(SHAPES, results)) for results in run_ranks(in_turn, 8, calls)]
 
 
@@ -83,21 +83,21 @@ def two_by_two(sharded_checkpoint: Path) -> list[dict[str, Any]]:
     on its own mesh in turn: per rank, each worker's result by name. The checkpoint is
     saved on (2, 2) and resumed on the other layouts in the same spawn."""
     calls = {
-        "gathered": ("collectives", (False,)),
-        "resharded": ("collectives", (True,)),
-        "resharded_exact": ("gpt_exact", ((2, 2), RESHARDING, True)),
-        "refusals": ("refusals", ()),
-        "groups": ("groups_fsdp", ()),
-        "auto_plan": ("auto_plan", ()),
-        "one_stage": ("gpt_exact", ((1, 4), (("fsdp", "1f1b", "except_last"),))),
-        "bytes": ("state_bytes", ()),
-        "crossing": ("sharded_crossing", (("1f1b", "zb-h1"),)),
-        "dropout": ("random_equal", ((2, 2), "zb-h1")),
-        "shared": ("shared_blocks", (("1f1b", "zb-h1", "zb-v"),)),
-        "habits": ("habits", ((2, 2),)),
-        "habits_tp": ("habits", ((1, 2, 2),)),
-        "saved": ("sharded_save", (str(sharded_checkpoint),)),
-        "resumed": ("sharded_resumes", (str(sharded_checkpoint), CHECKPOINT_LAYOUTS)),
+        "gathered": (mesh_workers.collectives, (False,)),
+        "resharded": (mesh_workers.collectives, (True,)),
+        "resharded_exact": (mesh_workers.gpt_exact, ((2, 2), RESHARDING, True)),
+        "refusals": (mesh_workers.refusals, ()),
+        "groups": (mesh_workers.groups_fsdp, ()),
+        "auto_plan": (mesh_workers.auto_plan, ()),
+        "one_stage": (mesh_workers.gpt_exact, ((1, 4), (("fsdp", "1f1b", "except_last"),))),
+        "bytes": (mesh_workers.state_bytes, ()),
+        "crossing": (mesh_workers.sharded_crossing, (("1f1b", "zb-h1"),)),
+        "dropout": (mesh_workers.random_equal, ((2, 2), "zb-h1")),
+        "shared": (mesh_workers.shared_blocks, (("1f1b", "zb-h1", "zb-v"),)),
+        "habits": (mesh_workers.habits, ((2, 2),)),
+        "habits_tp": (mesh_workers.habits, ((1, 2, 2),)),
+        "saved": (mesh_workers.sharded_save, (str(sharded_checkpoint),)),
+        "resumed": (mesh_workers.sharded_resumes, (str(sharded_checkpoint), CHECKPOINT_LAYOUTS)),
     }
     return [dict(zip(calls, results))
             for results in run_ranks(in_turn, 4, list(calls.values()), timeout=600)]
