@@ -156,7 +156,7 @@ def mesh_part(report: Report, backend: str) -> None:
 def run_shape(report: Report, backend: str, shape: tuple[int, int, int], labels: list[str],
               timeout: float, watchdog: float, startup: float) -> None:
     """One spawn of ``shape``'s ranks, judged combination by combination under the watchdog."""
-    from pipeline.group.launch import free_port
+    from pipeline.group.launch import end_processes, free_port
 
     world = math.prod(shape)
     context = multiprocessing.get_context("spawn")
@@ -185,11 +185,7 @@ def run_shape(report: Report, backend: str, shape: tuple[int, int, int], labels:
             deadline = time.monotonic() + watchdog
         held_fact(report, answers)
     finally:
-        for process in processes:
-            process.join(timeout=2)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        end_processes(processes, grace=2.0)
 
 
 def wait_for(answers: dict[Combination, dict[int, tuple[str, Any]]], combination: Combination,

@@ -131,11 +131,9 @@ class Ranks:
         return sorted(set(range(2)) - set(self.answers[name]))
 
     def close(self) -> None:
-        for process in self.processes:
-            process.join(timeout=2)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        from pipeline.group.launch import end_processes
+
+        end_processes(self.processes, grace=2.0)
 
 
 def launch_ranks(report: Report, backend: str, schedules: list[str], stall_in: str | None,

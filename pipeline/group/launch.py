@@ -8,7 +8,7 @@ import queue as queue_module
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -20,6 +20,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def end_processes(processes: Sequence[Any], grace: float) -> None:
+    """Give each process ``grace`` seconds to end, then kill it; all have ended on return."""
+    for process in processes:
+        process.join(timeout=grace)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any,
@@ -97,11 +106,7 @@ def run_ranks_raw(
                 if all(not processes[rank].is_alive() for rank in silent):
                     break  # the ones left died without a word
     finally:
-        for process in processes:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        end_processes(processes, grace=5.0)
     for rank in range(world):
         answers.setdefault(rank, ("error", "no result (timed out or crashed)"))
     return answers
