@@ -4,23 +4,33 @@
 engine call for the input gradients: the engine then computes nothing on the
 weight side. The same call captures what W needs: for a junction (a node on the
 input chain with edges to the weight side) that has a rule
-(``partitioners.weight_rules``), the gradient entering it, asked of the engine
-as one more input; a junction without one is hooked, to record the gradient
-entering it and whatever it computed for its exits itself (a custom
-``autograd.Function`` or a compiled region computes them anyway, so W never runs
-such a node twice). A norm's exits are asked of the engine with the inputs
-(``weight_rules.FUSED``: its kernel computes them with the input gradient at
-little more cost), so W only accumulates them. It returns the input gradients
-and a ``WeightGradients``.
+(``partitioners.weight_rules``), the gradient entering it, read by a node
+pre-hook; a junction without one is hooked, to record the gradient entering it
+and whatever it computed for its exits itself (a custom ``autograd.Function`` or
+a compiled region computes them anyway, so W never runs such a node twice). A
+norm's exits are asked of the engine with the inputs (``weight_rules.FUSED``:
+its kernel computes them with the input gradient at little more cost), so W only
+accumulates them. It returns the input gradients and a ``WeightGradients``.
+
+Tensor hooks (``h.register_hook``, ``weight.register_hook``) run once, on the
+gradient a plain backward hands them. The engine runs a node's tensor hooks
+when the node runs, but where it captures a gradient it names as an input it
+runs them first only if the node does not run: a junction runs in I, so the
+gradient it captured there missed the hooks on the layer's output (read after
+them by a pre-hook instead), and a weight-side node does not, so its hooks ran at
+the capture and again when W seeded it (a norm is fused only where its exits are
+leaves without hooks; a junction without a rule is called again directly, not
+through the engine).
 
 ``WeightGradients.run`` (W) turns each junction's captured gradient into its
-exits' gradients (by its rule from the saved tensors, or one engine call seeded
-at the junction and stopped at its exits), then runs the weight side once, from
-all exits together, through the engine's own accumulation: each parameter's
+exits' gradients (by its rule from the saved tensors, or by calling the
+junction's backward again), then runs the weight side once, from all exits
+together, through the engine's own accumulation: each parameter's
 ``AccumulateGrad`` runs once per W, so gradients accumulate as in a plain
 backward and post-accumulate hooks fire. No input-side gradient is computed
-twice, and every parameter reachable from the roots gets its gradient, whether
-or not its path meets an input.
+twice, except by a junction without a rule (called outside the engine, a node
+computes all its outputs), and every parameter reachable from the roots gets its
+gradient, whether or not its path meets an input.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import BackwardCFunction
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from partitioners.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
@@ -69,6 +79,10 @@ class _Capture:
         self.entered: Grads | None = None  # the gradients that entered the node in I
         self.sent: dict[int, torch.Tensor] = {}  # exits the node computed itself
 
+    def enter(self, grad_outputs: Grads) -> None:
+        """A node pre-hook: the gradient entering the node, after its tensor hooks ran."""
+        self.entered = grad_outputs
+
     def __call__(self, grad_inputs: Grads, grad_outputs: Grads) -> None:
         self.entered = grad_outputs
         for exit in self.junction.exits:
@@ -94,7 +108,7 @@ class _Capture:
         if not missing or self.complete:
             return found
         if self.deferred is None:
-            return found + _through_engine(self.junction, self.entered, missing)
+            return found + _rerun(self.junction, self.entered, missing)
         if grad is None:
             return found
         computed = self.deferred.compute(grad)
@@ -139,24 +153,16 @@ class WeightGradients:
         return tensors
 
 
-def _through_engine(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tuple[Slot, torch.Tensor]]:
-    """Run the junction alone in the engine, its input-chain outputs cut, its exits captured."""
-    exits = {exit.output for exit in junction.exits}
+def _rerun(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tuple[Slot, torch.Tensor]]:
+    """Run the junction's backward again, on what entered it in I, and keep its exits.
 
-    def cut_chain(grad_inputs: Grads, grad_outputs: Grads) -> Grads:
-        # Where a parameter is used both here and further down the chain, the engine
-        # would also run the chain below this node; what it sends there is not W's.
-        return tuple(g if index in exits else None for index, g in enumerate(grad_inputs))
-
-    slots = list(dict.fromkeys(exit.slot for exit in missing))
-    fed = [(index, g) for index, g in enumerate(entered) if g is not None]
-    handle = junction.node.register_hook(cut_chain)
-    try:
-        found = _engine([GradientEdge(junction.node, index) for index, _ in fed], [g for _, g in fed],
-                        keep_graph=True, inputs=[GradientEdge(*slot) for slot in slots])
-    finally:
-        handle.remove()
-    return [(slot, grad) for slot, grad in zip(slots, found) if grad is not None]
+    Called as a function, not through the engine: ``entered`` already passed the node's
+    tensor hooks, and the engine would run them again on it, then run the exits' own
+    tensor hooks as it captured there, before W runs them once more.
+    """
+    computed = junction.node(*entered)
+    outputs = computed if isinstance(computed, tuple) else (computed,)
+    return [(exit.slot, outputs[exit.output]) for exit in missing if outputs[exit.output] is not None]
 
 
 def _whole_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -185,6 +191,16 @@ def _whole_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     return tuple(found)
 
 
+def _unhooked_leaf(node: Node) -> bool:
+    """Whether ``node`` accumulates a leaf that has no tensor hooks.
+
+    The engine runs a node's tensor hooks as it captures there, in I, and again when W
+    seeds it. A leaf shows its hooks (``_backward_hooks``); any other node hides them.
+    """
+    variable = getattr(node, "variable", None)  # AccumulateGrad's leaf
+    return isinstance(variable, torch.Tensor) and not variable._backward_hooks
+
+
 def _fusable(split: GraphSplit) -> list[Junction]:
     """The norms whose exits I may ask the engine for (``weight_rules.FUSED``).
 
@@ -192,8 +208,11 @@ def _fusable(split: GraphSplit) -> list[Junction]:
     where anything but such norms feeds a norm's exit (its weight used again in the
     chunk, say), that share would be computed in I and again in W. Such a norm is
     deferred like any other junction, and so, in turn, may be a norm sharing its slots.
+    So is a norm with an exit that is not a leaf without tensor hooks: the engine runs
+    the hooks of a slot it captures, and W would run them again.
     """
-    fusable = {junction.node for junction in split.junctions if fused(junction.node)}
+    fusable = {junction.node for junction in split.junctions if fused(junction.node)
+               and all(_unhooked_leaf(exit.slot[0]) for exit in junction.exits)}
     while True:
         shared = {junction.node for junction in split.junctions if junction.node in fusable
                   and any(parent not in fusable for exit in junction.exits
@@ -238,26 +257,24 @@ def backward_input(
         _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
         for junction in split.junctions if junction not in norms
     ]
-    # A junction with a rule needs only the gradient entering it: the engine captures it
-    # as one more input. The others are hooked, to see what they computed themselves.
+    # A junction with a rule needs only the gradient entering it, and a node pre-hook sees
+    # it after the node's tensor hooks (``h.register_hook`` on a layer's output): the
+    # engine would capture it before them, since the node runs in I. The others are
+    # hooked after the node, to see what they computed themselves.
     captured = [capture for capture in captures if capture.deferred is not None and not capture.complete]
     hooked = [capture for capture in captures if capture.deferred is None or capture.complete]
     # Where every junction has its rule (or computes its whole backward in I), W reads only
     # what I left: the engine may free each node's saved tensors as I passes it (and must,
     # for a compiled region that donates its buffers).
     keep_graph = any(capture.deferred is None and not capture.complete for capture in captures)
-    handles = [capture.junction.node.register_hook(capture) for capture in hooked]
+    handles = [capture.junction.node.register_prehook(capture.enter) for capture in captured]
+    handles += [capture.junction.node.register_hook(capture) for capture in hooked]
     try:
         found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,
-                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits),
-                                *(GradientEdge(capture.junction.node, 0) for capture in captured)])
+                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits)])
     finally:
         for handle in handles:
             handle.remove()
     count = len(input_edges)
-    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[count:count + len(fused_exits)])
-              if grad is not None]
-    for capture, grad in zip(captured, found[count + len(fused_exits):]):
-        if grad is not None:
-            capture.entered = (grad,)
+    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[count:]) if grad is not None]
     return found[:count], WeightGradients(seeds, captures, keep_graph)

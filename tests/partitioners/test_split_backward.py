@@ -31,9 +31,14 @@ def _outputs(value):
     return [t for t in value if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _compare(module, make_input, grad_input=True, loss=None, seed=0, accumulate=False):
+def _compare(module, make_input, grad_input=True, loss=None, seed=0, accumulate=False,
+             hooks=None, expect_calls=None):
+    """``hooks(model)`` registers hooks on either copy and returns its call counts (a list);
+    ``expect_calls(model)`` reads counts the model keeps itself: both must match the plain
+    backward's, each at least 1."""
     torch.manual_seed(seed)
-    reference = copy.deepcopy(module)
+    reference = copy.deepcopy(module)  # tensor hooks are not copied: ``hooks`` registers them
+    counts = [hooks(model) for model in (reference, module)] if hooks else None
     x = make_input()
     if accumulate:
         for parameters in (module.parameters(), reference.parameters()):
@@ -65,6 +70,10 @@ def _compare(module, make_input, grad_input=True, loss=None, seed=0, accumulate=
         else:
             assert p.grad is not None, f"{name} got no gradient"
             assert torch.allclose(p.grad, q.grad, atol=1e-12), f"{name}: {(p.grad - q.grad).abs().max()}"
+    for read in [lambda model: counts[model is module]] if counts else []:
+        assert read(module) == read(reference) and all(count >= 1 for count in read(reference))
+    if expect_calls is not None:
+        assert expect_calls(module) == expect_calls(reference) and min(expect_calls(reference)) >= 1
 
 
 class Block(nn.Module):
@@ -347,3 +356,136 @@ def test_a_reentrant_checkpoint_makes_i_a_whole_backward():
     out = model(x)
     _, weights = backward_input([out], [torch.ones_like(out)], [x])
     assert weights.empty and all(p.grad is not None for p in model.parameters())
+
+
+# Hooks at the I/W boundary: I captures a gradient where W needs it; a hook there runs
+# once, on the gradient a plain backward would hand it, whichever path the junction takes.
+
+class HookedOutput(nn.Module):
+    """``op``'s output carries ``hook``, registered anew each forward (as models do)."""
+
+    def __init__(self, op, hook):
+        super().__init__()
+        self.linear, self.op, self.hook = nn.Linear(16, 16), op, hook
+        self.weight, self.gain = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16))
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.op(self, torch.tanh(x))
+        if h.requires_grad:
+            h.register_hook(self.counted)
+        return torch.tanh(h) * 2
+
+    def counted(self, grad):
+        self.calls += 1
+        return self.hook(grad)
+
+
+OUTPUT_OPS = {
+    "linear": lambda layer, x: layer.linear(x),                     # AddmmBackward0, a rule
+    "matmul": lambda layer, x: x @ layer.weight,                    # MmBackward0, a rule
+    "mul": lambda layer, x: x * layer.gain,                         # MulBackward0, a rule
+    "div": lambda layer, x: torch.div(x, layer.gain.abs() + 1),     # DivBackward0, no rule
+    "custom": lambda layer, x: Counted.apply(x, layer.gain),        # a custom Function
+}
+OUTPUT_HOOKS = {
+    "times 3": lambda grad: grad * 3,
+    "clamp": lambda grad: grad.clamp(-0.01, 0.01),
+    "minus 2x": lambda grad: -2 * grad,
+    "logging": lambda grad: None,
+}
+
+
+@pytest.mark.parametrize("hook", list(OUTPUT_HOOKS))
+@pytest.mark.parametrize("op", list(OUTPUT_OPS))
+def test_a_tensor_hook_on_a_junctions_output_reaches_w_once(op, hook):
+    """The gradient entering a junction is the one its tensor hooks return: W's weight
+    gradient saw the unhooked one where the engine captured it (0.667 off for x3)."""
+    layers = [HookedOutput(OUTPUT_OPS[op], OUTPUT_HOOKS[hook]) for _ in range(2)]
+    model = nn.Sequential(layers[0], nn.Linear(16, 16), layers[1])
+    _compare(model, lambda: torch.randn(7, 16), expect_calls=lambda m: [m[0].calls, m[2].calls])
+
+
+def _norm_hooks(model, hook):
+    """Counts calls of ``hook`` registered on every norm parameter of ``model``."""
+    calls = []
+    for module in model.modules():
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d)):
+            for parameter in module.parameters():
+                calls.append(0)
+                index = len(calls) - 1
+
+                def counted(grad, index=index):
+                    calls[index] += 1
+                    return hook(grad)
+
+                parameter.register_hook(counted)
+    return calls
+
+
+NORMS = {"layer": lambda: nn.LayerNorm(16), "group": lambda: nn.GroupNorm(4, 16),
+         "batch": lambda: nn.BatchNorm1d(16)}
+PARAMETER_HOOKS = {
+    "times 3": lambda grad: grad * 3,
+    "mask": lambda grad: grad * (torch.arange(grad.numel()).view_as(grad) % 2),
+    "logging": lambda grad: None,
+}
+
+
+@pytest.mark.parametrize("hook", list(PARAMETER_HOOKS))
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_a_tensor_hook_on_a_norm_parameter_runs_once(norm, hook):
+    """A norm's weight gradients are asked of the engine in I, which runs the leaf's tensor
+    hooks as it captures, and W ran them again when it accumulated (9x for a 3x hook)."""
+    model = nn.Sequential(nn.Linear(16, 16), NORMS[norm](), nn.Tanh(), nn.Linear(16, 16))
+    _compare(model, lambda: torch.randn(32, 16),
+             hooks=lambda m: _norm_hooks(m, PARAMETER_HOOKS[hook]))
+
+
+class HookedNormWeight(nn.Module):
+    """A LayerNorm whose weight is read through a tensor hooked each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.calls = nn.LayerNorm(16), 0
+
+    def forward(self, x):
+        weight = self.norm.weight * 1.0
+        if weight.requires_grad:
+            weight.register_hook(self.counted)
+        return nn.functional.layer_norm(x, (16,), weight, self.norm.bias)
+
+    def counted(self, grad):
+        self.calls += 1
+        return grad * 3
+
+
+def test_a_tensor_hook_on_a_norms_weight_side_intermediate_runs_once():
+    model = nn.Sequential(nn.Linear(16, 16), HookedNormWeight(), nn.Tanh(), nn.Linear(16, 16))
+    _compare(model, lambda: torch.randn(8, 16), expect_calls=lambda m: [m[1].calls])
+
+
+def test_a_module_full_backward_hook_that_scales_its_input_gradient():
+    def scaled(module, grad_input, grad_output):
+        module.calls = getattr(module, "calls", 0) + 1
+        return (grad_input[0] * 3,)
+
+    def hooked(model):
+        model[1].register_full_backward_hook(scaled)
+        model[1].calls = 0
+        return []
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    _compare(model, lambda: torch.randn(7, 16), hooks=hooked, expect_calls=lambda m: [m[1].calls])
+
+
+def test_a_post_accumulate_hook_on_a_norm_weight_fires_once_in_w():
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16))
+    fired = []
+    model[1].weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    x = torch.randn(8, 16, requires_grad=True)
+    out = model(x)
+    _, weights = backward_input([out], [torch.ones_like(out)], [x])
+    assert fired == []
+    weights.run()
+    assert len(fired) == 1 and torch.equal(fired[0], model[1].weight.grad)
