@@ -7,7 +7,7 @@ of the model after (with a group: this rank's layers only).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ class ModelLike:
     """Mixed into ``Pipe``: what a training loop calls on a model."""
 
     model: nn.Sequential
+    source_model: nn.Module
+    _traced: Any  # a units.TracedModel when the model was traced, else None
     _runner: Runner | None
     _ties: list[tuple[str, ...]]  # the model's tied keys, read before any rank freed a layer
 
@@ -47,6 +49,7 @@ class ModelLike:
 
     def train(self: Same, mode: bool = True) -> Same:
         self.model.train(mode)
+        self.source_model.train(mode)  # a traced model's units run the root's mode
         return self
 
     def eval(self: Same) -> Same:
@@ -61,9 +64,8 @@ class ModelLike:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state under its own keys (with a group: this rank's layers only)."""
-        if self._runner is None:
-            return self.model.state_dict()
-        return self._runner.state_dict()
+        state = self.model.state_dict() if self._runner is None else self._runner.state_dict()
+        return state if self._traced is None else self._traced.to_model_state(state)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped).
@@ -76,6 +78,8 @@ class ModelLike:
         Raises:
             ValueError: keys missing or unexpected (strict), or a tie the state would break.
         """
+        if self._traced is not None:
+            state = self._traced.to_unit_state(state)
         check_ties_kept(self._ties, state)
         if strict:
             local = range(len(self.model)) if self._runner is None else getattr(

@@ -28,7 +28,8 @@ from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.balancing import resolve_balance
 from pipeline.setup.coordination import choose_plan, replicas_of
 from pipeline.setup.options import (build_schedule, check_model, check_positive,
-                                    chunks_per_stage, count_stages, resolve_devices)
+                                    chunks_per_stage, count_stages, resolve_devices,
+                                    sequential_of)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -45,8 +46,13 @@ class Pipe(ModelLike):
     process group runs stage r.
 
     Args:
-        model: an ``nn.Sequential``; its modules are moved to the stages' devices in place,
-            so ``model.state_dict()`` keeps its keys and tensors.
+        model: an ``nn.Sequential`` (its layers are cut into stages), or any other
+            ``nn.Module``, traced once with ``sample`` and cut into units (``pipe.units``):
+            the prologue, each block of its main run of same-class blocks, the
+            epilogue. Its modules are moved to the stages' devices in place, so
+            ``model.state_dict()`` keeps its keys and tensors, and its parameters are the
+            ones that train. ``pipe.model`` is the ``nn.Sequential`` that runs (for a
+            traced model, of ``units.Unit``); ``pipe.source_model`` the model given.
         chunks: micro-batches per step (torchgpipe's name for them), or ``"auto"``.
             With ``chunks="auto"`` or ``schedule="auto"``, ``partitioners.plan_for_model``
             profiles ``sample`` and picks the fastest predicted schedule, micro-batch
@@ -73,7 +79,9 @@ class Pipe(ModelLike):
         memory_limit: bytes per stage a plan must fit in (with ``"auto"``).
         memory_report: measure the activation memory each stage holds (``pipe.memory``);
             off by default, since it hooks every tensor autograd saves.
-        sample: an input batch to profile when ``balance="time"`` (else the first batch).
+        sample: an input batch to profile when ``balance="time"`` (else the first batch);
+            for a model that is not an ``nn.Sequential``, the batch it is traced with
+            (required, on every rank).
         sample_target: the target of ``sample``: with ``"auto"``, the loss's time and the
             memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
         distributed: how the pipeline runs across processes (``pipeline.Distributed``: the
@@ -94,11 +102,14 @@ class Pipe(ModelLike):
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
         timeout: seconds a stage waits for a peer before failing.
+        units: for a traced model, the module names (as in ``model.named_modules()``)
+            where units begin, in the order the forward runs them, instead of the default
+            cut; what runs before the first is a unit of its own.
     """
 
     def __init__(
         self,
-        model: nn.Sequential,
+        model: nn.Module,
         chunks: int | Literal["auto"],
         balance: Sequence[int] | str | None = None,
         devices: Sequence[torch.device | str | int] | None = None,
@@ -124,6 +135,7 @@ class Pipe(ModelLike):
         data_parallel: str = "replicate",
         reshard_after_forward: bool = False,
         tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None,
+        units: Sequence[str] | None = None,
     ) -> None:
         settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
                                        init_fn=init_fn, transport=transport,
@@ -136,7 +148,8 @@ class Pipe(ModelLike):
         self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
                                 checkpoint=checkpoint, stages=stages,
                                 schedule_options=schedule_options)
-        self.model = check_model(model)
+        self.source_model = check_model(model)
+        self.model, self._traced = sequential_of(self.source_model, sample, units)
         self.timeout = timeout
         self._closed = False
         self._distributed = settings
@@ -243,6 +256,12 @@ class Pipe(ModelLike):
     def plan(self) -> Any:
         """The ``partitioners.Plan`` picked for ``"auto"`` (None when nothing was planned)."""
         return self._plan
+
+    @property
+    def units(self) -> tuple[Any, ...] | None:
+        """For a traced model, its units (``units.UnitInfo``: index, name, the model's
+        modules and parameter names; ``pipe.balance`` counts them); None for a Sequential."""
+        return None if self._traced is None else self._traced.units
 
     @property
     def balance(self) -> list[int] | None:

@@ -15,16 +15,42 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
-def check_model(model: Any) -> nn.Sequential:
-    """Return ``model`` if it is a non-empty nn.Sequential, else raise TypeError/ValueError."""
-    if not isinstance(model, nn.Sequential):
+def check_model(model: Any) -> nn.Module:
+    """Return ``model`` if it is an nn.Module (an nn.Sequential: not empty), else raise."""
+    if not isinstance(model, nn.Module):
         raise TypeError(
-            f"Pipe needs an nn.Sequential (its layers are what gets cut into stages), "
-            f"got {type(model).__name__}; wrap your layers: nn.Sequential(layer1, layer2, ...)"
+            f"Pipe needs an nn.Module (an nn.Sequential is cut at its layers, any other module "
+            f"is traced and cut into units), got {type(model).__name__}"
         )
-    if len(model) == 0:
+    if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
     return model
+
+
+def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequential, Any]:
+    """What the pipeline runs: an nn.Sequential as it is, any other module traced with
+    ``sample`` and cut into units (``units.cut_model``); and the ``TracedModel`` or None.
+
+    Raises:
+        ValueError: ``units=`` for an nn.Sequential (its layers are the units), or a
+            model that cannot be traced (``units.TraceError``, a ValueError).
+    """
+    if isinstance(model, nn.Sequential):
+        if units is not None:
+            raise ValueError(
+                f"units= sets where a traced model's units begin; an nn.Sequential's layers "
+                f"are its units (got units={units!r}): leave it out, or group layers into "
+                f"nested Sequentials"
+            )
+        return model, None
+    from units import cut_model
+
+    if isinstance(units, str) or (units is not None and not all(
+            isinstance(name, str) for name in units)):
+        raise TypeError(f"units must be a list of module names, got {units!r}")
+    first = sample[0] if isinstance(sample, list) else sample
+    traced = cut_model(model, first, units)
+    return traced.sequential, traced
 
 
 def check_positive(name: str, value: Any) -> int:

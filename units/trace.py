@@ -1,0 +1,127 @@
+"""Capture a model's forward once as a graph (``torch.export``), sizes left dynamic.
+
+Every dimension of every tensor input is ``Dim.AUTO``: export keeps a dimension symbolic
+unless the model's code fixes it, and records a guard where the code branches on a size,
+so another batch size or sequence length runs the same graph or is refused by that guard,
+never run down a branch frozen for the traced size. Sizes are traced "size-oblivious", so
+that a traced batch of 8 rows also runs micro-batches of one row.
+
+Why ``ep.module()`` and not ``torch.export.unflatten``: the former runs on the model's own
+``Parameter`` objects (so an optimizer built on ``model.parameters()`` trains what runs),
+the latter builds new ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch import nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from units.calls import CallSpec, as_call
+from units.errors import TraceError
+
+
+_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[torch.fx.GraphModule, CallSpec]]] \
+    = weakref.WeakKeyDictionary()
+
+
+def export_model(model: nn.Module, sample: Any, training: bool
+                 ) -> tuple[torch.fx.GraphModule, CallSpec]:
+    """``model``'s forward on ``sample`` as a graph (``_export``), traced once per model,
+    mode and batch structure while the model lives: a trace costs seconds, and each Pipe
+    built on the same model would otherwise pay it again. The key holds everything a
+    trace depends on that can change in place (the modules and tensors the model holds,
+    its config), so a model edited since is traced anew."""
+    key = _fingerprint(model, sample, training)
+    found = _TRACES.setdefault(model, {})
+    if key not in found:
+        found[key] = _export(model, sample, training)
+    return found[key]
+
+
+def _fingerprint(model: nn.Module, sample: Any, training: bool) -> Any:
+    leaves, structure = pytree.tree_flatten(as_call(sample))
+    described = tuple((tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
+                      else (type(leaf), repr(leaf)) for leaf in leaves)
+    modules = tuple((name, id(module), type(module)) for name, module in
+                    model.named_modules(remove_duplicate=False))
+    tensors = tuple((name, id(tensor), tensor.device) for name, tensor in
+                    [*model.named_parameters(remove_duplicate=False),
+                     *model.named_buffers(remove_duplicate=False)])
+    config = repr(getattr(model, "config", None))
+    return (training, str(structure), described, modules, tensors, config)
+
+
+def _export(model: nn.Module, sample: Any, training: bool
+            ) -> tuple[torch.fx.GraphModule, CallSpec]:
+    """``model``'s forward on ``sample``, as a graph module over the model's own tensors.
+
+    Args:
+        model: any module; its mode is set to ``training`` for the trace and restored.
+        sample: a batch as the model takes it (tensor, tuple of arguments, dict of
+            keyword arguments).
+        training: trace the training-mode forward (dropout drawn, batch statistics) or
+            the evaluation one.
+
+    Raises:
+        TraceError: export refused the model; the message names the module where it can.
+    """
+    args, kwargs = as_call(sample)
+    shapes = _dynamic_shapes(model, args, kwargs)
+    with _mode(model, training), _no_cache(model), fx_config.patch(backed_size_oblivious=True):
+        try:
+            program = torch.export.export(model, args, kwargs, strict=False,
+                                          dynamic_shapes=shapes)
+        except Exception as error:  # export raises many kinds; all mean "cannot trace"
+            raise TraceError.from_export(error, model) from error
+    return program.module(), CallSpec(args, kwargs)
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Dim.AUTO`` on every dimension of every tensor argument, by the forward's names."""
+    def auto(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return {dim: Dim.AUTO for dim in range(leaf.dim())}
+        return None
+
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TraceError(
+            f"the sample does not match {type(model).__name__}.forward's arguments: {error}"
+        ) from None
+    return {name: pytree.tree_map(auto, value) for name, value in bound.arguments.items()}
+
+
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    modes = {module: module.training for module in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """Hugging Face models return a key/value cache when ``config.use_cache`` is true; a
+    training step never needs it, and export refuses its type: trace without it."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "use_cache", False):
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True

@@ -1,0 +1,231 @@
+"""Any nn.Module as an ``nn.Sequential`` of units: traced once per mode, cut, its own names.
+
+``cut_model(model, sample)`` is what ``Pipe`` calls for a model that is not an
+``nn.Sequential``; the balancer, the schedules, both runtimes and the mesh then see a
+Sequential as they always have. Its state-dict keys are ``"<unit>.<the model's key>"``
+(``"3.model.layers.2.mlp.up_proj.weight"``): ``model_key`` and ``unit_keys`` translate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from units.boundaries import assign_units, block_run
+from units.errors import TraceError
+from units.programs import Program, cut_programs
+from units.trace import export_model
+from units.unit import Unit
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """What one unit runs: its index, name, the model's modules and parameter names."""
+
+    index: int
+    name: str
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...]
+
+
+class TracedModel:
+    """A model cut into units: ``sequential`` runs it, ``units`` describes the cut."""
+
+    def __init__(self, model: nn.Module, sequential: nn.Sequential, infos: list[UnitInfo]):
+        self.model = model
+        self.sequential = sequential
+        self.units = tuple(infos)
+
+    def model_key(self, key: str) -> str:
+        """``"3.model.norm.weight"`` -> ``"model.norm.weight"``."""
+        return key.split(".", 1)[1]
+
+    def unit_keys(self, key: str, keys: Sequence[str]) -> list[str]:
+        """Every unit key in ``keys`` that holds the model's ``key``."""
+        return [k for k in keys if self.model_key(k) == key]
+
+    def to_model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state keyed by units -> keyed as the model names it (each key once)."""
+        found: dict[str, Any] = {}
+        for key, value in state.items():
+            found.setdefault(self.model_key(key), value)
+        order = {key: i for i, key in enumerate(self.model.state_dict(keep_vars=True))}
+        return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
+
+    def to_unit_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state keyed as the model names it -> keyed by units (shared entries repeated);
+        keys the units do not hold are kept as they are, for strict checks to name."""
+        holders: dict[str, list[str]] = {}
+        for key in self.sequential.state_dict(keep_vars=True):
+            holders.setdefault(self.model_key(key), []).append(key)
+        found: dict[str, Any] = {}
+        for key, value in state.items():
+            for unit_key in holders.get(key, [key]):
+                found[unit_key] = value
+        return found
+
+
+def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
+              ) -> TracedModel:
+    """Trace ``model`` with ``sample`` (training and evaluation modes) and cut it.
+
+    Args:
+        model: any module whose forward torch.export can capture.
+        sample: a batch as the model takes it: a tensor, a tuple of positional
+            arguments, or a dict of keyword arguments (``model(**sample)``).
+        units: module names (as in ``model.named_modules()``) where units begin, in the
+            order the forward runs them; None: the prologue, each block of the model's
+            main run of same-class blocks, and the epilogue.
+
+    Raises:
+        TraceError: the model cannot be traced, or ``units`` names no module it runs.
+        ValueError: no sample.
+    """
+    if sample is None:
+        raise ValueError(
+            f"Pipe needs sample=... to cut a {type(model).__name__} (a model that is not an "
+            f"nn.Sequential is traced once with a batch as it takes it: a tensor, a tuple of "
+            f"arguments or a dict of keyword arguments)"
+        )
+    starts = list(units) if units is not None else block_run(model)
+    if not starts:
+        raise TraceError(
+            f"{type(model).__name__} has no run of same-class blocks (a ModuleList or "
+            f"Sequential of one class) to cut at: pass units=[module names] where units begin"
+        )
+    traced: dict[bool, fx.GraphModule] = {}
+    cut: dict[bool, tuple[list[Program], list[Any]]] = {}
+    call = None
+    for training in (True, False):
+        graph_module, call = export_model(model, sample, training)
+        unit_of = assign_units(graph_module.graph, starts, epilogue=units is None)
+        unit_of = _without_empty_units(unit_of)
+        count = max(unit_of.values()) + 1
+        traced[training] = graph_module
+        cut[training] = cut_programs(graph_module, unit_of, count)
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != call.leaves:
+            raise TraceError(f"the traced graph takes {len(placeholders)} inputs, the sample "
+                             f"has {call.leaves} leaves")
+    counts = {len(cut[mode][0]) for mode in cut}
+    if len(counts) != 1:
+        raise TraceError("the training and evaluation forwards cut into different numbers of "
+                         "units: pass units=[...]")
+    return _assemble(model, traced, cut, call, starts, units is None)
+
+
+def _without_empty_units(unit_of: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    used = sorted(set(unit_of.values()))
+    renumber = {old: new for new, old in enumerate(used)}
+    return {node: renumber[unit] for node, unit in unit_of.items()}
+
+
+def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
+              cut: dict[bool, tuple[list[Program], list[Any]]], call: Any,
+              starts: list[str], default: bool) -> TracedModel:
+    programs = {mode: cut[mode][0] for mode in cut}
+    count = len(programs[True])
+    mode = _RootMode(model)
+    sequential = nn.Sequential()
+    outputs = {m: (cut[m][1], traced[m]._out_spec) for m in cut}
+    for index in range(count):
+        per_mode = {m: programs[m][index] for m in programs}
+        name = _unit_name(index, count, starts, default)
+        sequential.append(Unit(index, name, per_mode, mode, call if index == 0 else None,
+                               outputs if index == count - 1 else None))
+    infos = _hold_state(model, sequential, programs, traced)
+    return TracedModel(model, sequential, infos)
+
+
+def _unit_name(index: int, count: int, starts: list[str], default: bool) -> str:
+    if not default:
+        return "(prologue)" if index == 0 and count > len(starts) else starts[
+            index - (count - len(starts))]
+    if index == 0:
+        return "(prologue)"
+    if index == count - 1:
+        return "(epilogue)"
+    return starts[index - 1]
+
+
+class _RootMode:
+    """The root model's mode, read at every call (``model.train()`` / ``.eval()``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self) -> bool:
+        return self.model.training
+
+
+def _hold_state(model: nn.Module, sequential: nn.Sequential,
+                programs: dict[bool, list[Program]], traced: dict[bool, fx.GraphModule]
+                ) -> list[UnitInfo]:
+    """Give each unit the model's modules (or tensors) its programs read; state nothing
+    reads goes to the last unit, so that every key of the model has a holder."""
+    owners = _owners(model)
+    persistent = set(model.state_dict(keep_vars=True))
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                         *model.named_buffers(remove_duplicate=False)]:
+        aliases.setdefault(id(tensor), []).append(name)
+    held: set[str] = set()
+    infos = []
+    for index, unit in enumerate(sequential):
+        paths = sorted({path for mode in programs for path in programs[mode][index].state})
+        attached: list[str] = []
+        for path in paths:
+            if _lifted(path, model, traced):
+                unit.register_buffer(path, _lifted(path, model, traced), persistent=False)
+                continue
+            # every name of a tied tensor, so that no holder of it is left to another unit
+            for alias in aliases.get(id(unit._read_from(model, path)), [path]):
+                _attach(unit, alias, owners, persistent, attached)
+        unit_keys = set(unit.state_dict(keep_vars=True))
+        held.update(unit_keys)
+        infos.append(UnitInfo(index, unit.name, tuple(attached),
+                              tuple(name for name, _ in unit.named_parameters())))
+    leftovers = [key for key in persistent if key not in held]
+    for key in leftovers:
+        _attach(sequential[-1], key, owners, persistent, [])
+    return infos
+
+
+def _lifted(path: str, model: nn.Module, traced: dict[bool, fx.GraphModule]
+            ) -> torch.Tensor | None:
+    """A constant tensor the trace lifted out of the code (not the model's own state)."""
+    if "." in path or hasattr(model, path):
+        return None
+    for graph_module in traced.values():
+        value = getattr(graph_module, path, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _owners(model: nn.Module) -> dict[str, nn.Module]:
+    return dict(model.named_modules(remove_duplicate=False))
+
+
+def _attach(unit: Unit, path: str, owners: dict[str, nn.Module], persistent: set[str],
+            attached: list[str]) -> None:
+    """Attach what holds the model's tensor at ``path``: its module when that module has
+    no children (a Linear, a norm: kept whole, so its type stays), else the tensor alone;
+    a constant the trace lifted becomes a buffer of the unit."""
+    owner_path, _, name = path.rpartition(".")
+    owner = owners.get(owner_path)
+    if owner is None or not hasattr(owner, name):
+        raise TraceError(f"the traced graph reads {path!r}, which the model does not hold")
+    if owner_path and not list(owner.children()):
+        if owner_path not in attached:
+            unit.attach(owner_path, module=owner)
+            attached.append(owner_path)
+        return
+    value = getattr(owner, name)
+    if not isinstance(value, torch.Tensor):
+        raise TraceError(f"the traced graph reads {path!r}, a {type(value).__name__}")
+    unit.attach(owner_path, tensor=(name, value, path in persistent))

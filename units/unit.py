@@ -1,0 +1,98 @@
+"""One unit of a traced model: the model's own modules it reads, and its programs.
+
+A unit holds the model's submodules (the same objects) at the paths they have in the
+model, so its ``state_dict`` keys are the model's own keys, its parameters are the
+model's ``Parameter`` objects, and whatever the runtime does to a module (move it to a
+device, free it to ``meta``, shard it with FSDP) the unit's program sees at its next call.
+It keeps one program per mode (training, evaluation): a traced graph freezes dropout's
+and BatchNorm's mode, so the unit runs the one traced in the root model's present mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from units.calls import CallSpec
+from units.programs import Program, constant_value
+
+
+class Unit(nn.Module):
+    """Unit ``index`` of a traced model, named after the modules it runs (``name``)."""
+
+    def __init__(self, index: int, name: str, programs: dict[bool, Program],
+                 mode: Callable[[], bool], call: CallSpec | None,
+                 outputs: dict[bool, tuple[Sequence[Any], pytree.TreeSpec]] | None) -> None:
+        super().__init__()
+        self.index = index
+        self.name = name
+        self._programs = programs
+        self._mode = mode
+        self._call = call            # the first unit: how the batch is flattened
+        self._outputs = outputs      # the last unit: how the model's output is rebuilt
+
+    def extra_repr(self) -> str:
+        return f"{self.index}: {self.name}"
+
+    def forward(self, carried: Any) -> Any:
+        training = self._mode()
+        program = self._programs[training]
+        state = [self._read(path) for path in program.state]
+        values = self._call.flatten(carried) if self._call is not None else carried
+        if len(values) != len(program.entry):
+            raise ValueError(f"unit {self.index} ({self.name}) takes {len(program.entry)} "
+                             f"values, got {len(values)}")
+        try:
+            results = program.module(*state, *values)
+        except RuntimeError as error:
+            if "Guard failed" in str(error) or "guard" in str(error).lower():
+                raise ValueError(
+                    f"this input breaks an assumption the traced graph was built on "
+                    f"({str(error).splitlines()[0]}): the model's code branches on it; trace "
+                    f"it with a sample that has such sizes"
+                ) from None
+            raise
+        if self._outputs is None:
+            return tuple(results)
+        places, spec = self._outputs[training]
+        leaves = []
+        for place in places:
+            constant, value = constant_value(place)
+            leaves.append(value if constant else results[place])
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _read(self, path: str) -> torch.Tensor:
+        return self._read_from(self, path)
+
+    @staticmethod
+    def _read_from(root: nn.Module, path: str) -> Any:
+        owner: Any = root
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        return owner
+
+    def attach(self, path: str, module: nn.Module | None = None,
+               tensor: tuple[str, torch.Tensor, bool] | None = None) -> None:
+        """Hold ``module`` at ``path`` (or ``tensor``: a name, the tensor, persistent),
+        creating plain holders for the path's parents."""
+        parts = path.split(".") if path else []
+        owner: nn.Module = self
+        for part in parts[:-1] if module is not None else parts:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        if module is not None:
+            owner.add_module(parts[-1], module)
+            return
+        assert tensor is not None
+        name, value, persistent = tensor
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(name, value)
+        else:
+            owner.register_buffer(name, value, persistent=persistent)
