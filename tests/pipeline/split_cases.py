@@ -88,6 +88,87 @@ class Reentrant(nn.Module):
         return checkpoint(self.block, x, use_reentrant=True)
 
 
+class HookedOutputs(nn.Module):
+    """Tensor hooks where the split captures a layer's output gradient, registered anew each
+    forward: a Linear's output x3, a clamp on ``h @ w``, ``-2x`` and a counting one on ``h * g``.
+    ``calls`` counts each hook's calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.weight = nn.Parameter(torch.randn(WIDTH, WIDTH) / 3)
+        self.gain = nn.Parameter(torch.randn(WIDTH))
+        self.calls = [0, 0, 0, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._hooked(self.linear(x), 0, lambda grad: grad * 3)
+        h = self._hooked(torch.tanh(h) @ self.weight, 1, lambda grad: grad.clamp(-0.005, 0.005))
+        h = self._hooked(torch.tanh(h) * self.gain, 2, lambda grad: -2 * grad)
+        return self._hooked(h, 3, lambda grad: None)
+
+    def _hooked(self, h: torch.Tensor, index: int,
+                hook: Callable[[torch.Tensor], torch.Tensor | None]) -> torch.Tensor:
+        if h.requires_grad:  # not under torch.no_grad()
+            h.register_hook(_counted(self.calls, index, hook))
+        return h
+
+
+class Norms(nn.Module):
+    """A LayerNorm and a GroupNorm (``hook_norms`` hooks their parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_norm, self.group_norm = nn.LayerNorm(WIDTH), nn.GroupNorm(2, WIDTH)
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.calls = [0, 0, 0, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.group_norm(torch.tanh(self.layer_norm(x))))
+
+
+def hook_norms(model: nn.Module) -> None:
+    """Tensor hooks on every ``Norms``' parameters: scaling, masking, a clamp, logging only.
+
+    Each is linear in the gradient or leaves it, so that one call per micro-batch sums to
+    the plain model's one call on the batch.
+    """
+    for module in model.modules():
+        if not isinstance(module, Norms):
+            continue
+        hooks: list[Callable[[torch.Tensor], torch.Tensor | None]] = [
+            lambda grad: grad * 3, lambda grad: grad * (torch.arange(WIDTH) % 2),
+            lambda grad: -0.5 * grad, lambda grad: None]
+        parameters = [module.layer_norm.weight, module.layer_norm.bias,
+                      module.group_norm.weight, module.group_norm.bias]
+        for index, (parameter, hook) in enumerate(zip(parameters, hooks)):
+            parameter.register_hook(_counted(module.calls, index, hook))
+
+
+def _counted(calls: list[int], index: int,
+             hook: Callable[[torch.Tensor], torch.Tensor | None]) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def counted(grad: torch.Tensor) -> torch.Tensor | None:
+        calls[index] += 1
+        return hook(grad)
+
+    return counted
+
+
+def hook_calls(model: nn.Module) -> list[int]:
+    """How often each tensor hook of the held ``HookedOutputs`` and ``Norms`` ran."""
+    return [count for module in model.modules() if isinstance(module, (HookedOutputs, Norms))
+            and not any(p.is_meta for p in module.parameters()) for count in module.calls]
+
+
+def _hooked_outputs_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), HookedOutputs(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         HookedOutputs(), nn.Linear(WIDTH, 3))
+
+
+def _hooked_norms_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Norms(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         Norms(), nn.Linear(WIDTH, 3))
+
+
 def _repeat_model(kind: type[Repeat]) -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), kind(), Join(), nn.Linear(WIDTH, WIDTH),
                          kind(), Join(), nn.Linear(WIDTH, 3))
@@ -124,6 +205,7 @@ class Case:
     loss: Callable[[], nn.Module]
     balance: tuple[int, ...]
     balance_v: tuple[int, ...]
+    hooks: Callable[[nn.Module], None] | None = None  # registers parameter hooks on a copy
 
 
 CASES = {
@@ -133,6 +215,9 @@ CASES = {
     "one block at three positions": Case(_shared_block_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
     "loss with a parameter": Case(_mlp, TemperatureLoss, (3, 3), (3, 1, 1, 1)),
     "reentrant checkpoint": Case(_reentrant_model, nn.CrossEntropyLoss, (3, 3), (2, 2, 1, 1)),
+    "hooked outputs": Case(_hooked_outputs_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "hooked norm parameters": Case(_hooked_norms_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1),
+                                   hooks=hook_norms),
 }
 
 
@@ -173,6 +258,8 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
     case = CASES[name]
     model, (x, y) = _model(case), _batch()
     reference, reference_loss = copy.deepcopy(model), case.loss()
+    if case.hooks is not None:
+        case.hooks(reference)  # a deep copy leaves tensor hooks behind
     reference_loss(reference(x), y).backward()
     expected = zoo.per_layer_grads(reference)
     trained, loss_fn = copy.deepcopy(model), copy.deepcopy(reference_loss)
@@ -180,6 +267,8 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
     per_stage = get_schedule(schedule, 2, CHUNKS).chunks // 2
     balance = list(case.balance if per_stage == 1 else case.balance_v)
     pipe = runtime.pipe(trained, schedule, mode, loss_fn, balance=balance)
+    if case.hooks is not None:
+        case.hooks(trained)
     fired = _hooked(trained)
     pipe.step(x, y)
     grad_error, compared = zoo.grad_errors(trained, expected)
@@ -188,6 +277,8 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
         "grad_error": grad_error, "compared": compared,
         "loss_grad_error": _loss_error(loss_fn, reference_loss) if holds_loss else 0.0,
         "hooks": sorted({count[0] for count in fired.values()}),
+        "tensor_hooks": sorted(set(hook_calls(trained))),
+        "reference_tensor_hooks": sorted(set(hook_calls(reference))),
     }
 
 

@@ -3,10 +3,12 @@
 Per case (``split_cases``): outputs that repeat, ``(h, h)``, or derive from one
 another, ``(h, h.mean(1))``; a weight tied between two layers of one chunk; one
 block instance at three positions (ALBERT-style); a loss with a learnable
-temperature. Every split schedule (1F1B as the control) and every checkpoint
+temperature; a reentrant checkpoint; tensor hooks on layer outputs where the
+split captures their gradient and on norm parameters. Every split schedule (1F1B as the control) and every checkpoint
 mode: each held gradient, the loss's parameter included, equals the unpipelined
 model's to 1e-10, and every parameter's post-accumulate hook fires once per
-micro-batch, as it does in a plain backward per micro-batch.
+micro-batch, as it does in a plain backward per micro-batch; so does each
+tensor hook.
 """
 
 from __future__ import annotations
@@ -65,6 +67,20 @@ def test_post_accumulate_hooks_fire_once_per_microbatch(runtime: str) -> None:
         return None if row["hooks"] == [CHUNKS] else f"hooks fired {row['hooks']} times"
 
     assert _problems(runtime, "loss with a parameter", once_each) == []
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("case", ["hooked outputs", "hooked norm parameters"])
+def test_tensor_hooks_run_once_per_microbatch(runtime: str, case: str) -> None:
+    """Where the split captures a gradient (a layer's output, a norm's parameter), each tensor
+    hook runs once per micro-batch, as in a plain backward per micro-batch (a norm parameter's
+    ran twice, and its gradient was 9x for a 3x hook)."""
+    def once_each(row: dict[str, Any]) -> str | None:
+        if row["reference_tensor_hooks"] != [1]:
+            return f"the plain model's hooks ran {row['reference_tensor_hooks']} times"
+        return None if row["tensor_hooks"] == [CHUNKS] else f"tensor hooks ran {row['tensor_hooks']} times"
+
+    assert _problems(runtime, case, once_each) == []
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe-v"])
