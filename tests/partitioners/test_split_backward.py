@@ -366,7 +366,7 @@ class HookedOutput(nn.Module):
 
     def __init__(self, op, hook):
         super().__init__()
-        self.linear, self.op, self.hook = nn.Linear(16, 16), op, hook
+        self.linear, self.norm, self.op, self.hook = nn.Linear(16, 16), nn.LayerNorm(16), op, hook
         self.weight, self.gain = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16))
         self.calls = 0
 
@@ -387,6 +387,7 @@ OUTPUT_OPS = {
     "mul": lambda layer, x: x * layer.gain,                         # MulBackward0, a rule
     "div": lambda layer, x: torch.div(x, layer.gain.abs() + 1),     # DivBackward0, no rule
     "custom": lambda layer, x: Counted.apply(x, layer.gain),        # a custom Function
+    "norm": lambda layer, x: layer.norm(x),                         # fused: weights in I
 }
 OUTPUT_HOOKS = {
     "times 3": lambda grad: grad * 3,
@@ -442,26 +443,31 @@ def test_a_tensor_hook_on_a_norm_parameter_runs_once(norm, hook):
              hooks=lambda m: _norm_hooks(m, PARAMETER_HOOKS[hook]))
 
 
-class HookedNormWeight(nn.Module):
-    """A LayerNorm whose weight is read through a tensor hooked each forward."""
+class HookedWeight(nn.Module):
+    """A LayerNorm or a Linear whose weight is read through a tensor hooked each forward
+    (a weight-side node: only a leaf shows its hooks)."""
 
-    def __init__(self):
+    def __init__(self, kind):
         super().__init__()
-        self.norm, self.calls = nn.LayerNorm(16), 0
+        self.kind, self.calls = kind, 0
+        self.layer = nn.LayerNorm(16) if kind == "norm" else nn.Linear(16, 16)
 
     def forward(self, x):
-        weight = self.norm.weight * 1.0
+        weight = self.layer.weight * 1.0
         if weight.requires_grad:
             weight.register_hook(self.counted)
-        return nn.functional.layer_norm(x, (16,), weight, self.norm.bias)
+        if self.kind == "norm":
+            return nn.functional.layer_norm(x, (16,), weight, self.layer.bias)
+        return nn.functional.linear(x, weight, self.layer.bias)
 
     def counted(self, grad):
         self.calls += 1
         return grad * 3
 
 
-def test_a_tensor_hook_on_a_norms_weight_side_intermediate_runs_once():
-    model = nn.Sequential(nn.Linear(16, 16), HookedNormWeight(), nn.Tanh(), nn.Linear(16, 16))
+@pytest.mark.parametrize("kind", ["norm", "linear"])
+def test_a_tensor_hook_on_a_weight_side_intermediate_runs_once(kind):
+    model = nn.Sequential(nn.Linear(16, 16), HookedWeight(kind), nn.Tanh(), nn.Linear(16, 16))
     _compare(model, lambda: torch.randn(8, 16), expect_calls=lambda m: [m[1].calls])
 
 
@@ -472,6 +478,21 @@ def test_a_module_full_backward_hook_that_scales_its_input_gradient():
 
     def hooked(model):
         model[1].register_full_backward_hook(scaled)
+        model[1].calls = 0
+        return []
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    _compare(model, lambda: torch.randn(7, 16), hooks=hooked, expect_calls=lambda m: [m[1].calls])
+
+
+def test_a_module_full_backward_pre_hook_that_scales_its_output_gradient():
+    """The pre-hook changes the gradient entering a Linear, and so its weight gradient."""
+    def scaled(module, grad_output):
+        module.calls = getattr(module, "calls", 0) + 1
+        return (grad_output[0] * 3,)
+
+    def hooked(model):
+        model[1].register_full_backward_pre_hook(scaled)
         model[1].calls = 0
         return []
 

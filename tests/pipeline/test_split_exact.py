@@ -62,11 +62,12 @@ def test_gradients_equal_the_plain_models(runtime: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-def test_post_accumulate_hooks_fire_once_per_microbatch(runtime: str) -> None:
+@pytest.mark.parametrize("case", ["loss with a parameter", "hooked norm parameters"])
+def test_post_accumulate_hooks_fire_once_per_microbatch(runtime: str, case: str) -> None:
     def once_each(row: dict[str, Any]) -> str | None:
         return None if row["hooks"] == [CHUNKS] else f"hooks fired {row['hooks']} times"
 
-    assert _problems(runtime, "loss with a parameter", once_each) == []
+    assert _problems(runtime, case, once_each) == []
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
