@@ -32,38 +32,58 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
+from pipeline.checkpoint_format import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    digest,
+    digests_from_plain,
+    plan_from_plain,
+    plan_plain,
+    read_manifest,
+    results_from_plain,
+    results_plain,
+    verify,
+    write_manifest,
+)
+from pipeline.checkpoint_io import RankLoad, RankSave
+from pipeline.checkpoint_state import (
+    Layout,
+    Reading,
+    apply,
+    check_ties,
+    optimizer_state,
+    plan_reading,
+    save_state,
+    tied_groups,
+)
+from pipeline.errors import PeerError
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 
 if TYPE_CHECKING:
     from pipeline.pipe import Pipe
 
-METADATA_FILE = ".metadata"  # what DCP's coordinator writes last, once every rank wrote
+__all__ = ["CheckpointError", "INCOMPLETE_MARK", "MANIFEST_FILE", "METADATA_FILE",
+           "check_complete", "load_checkpoint", "load_into_model", "save_checkpoint",
+           "save_model_checkpoint"]
+
 INCOMPLETE_MARK = ".incomplete"  # inside a directory still being written
-STEP_KEY = "step"
-RNG_PREFIX = "rng.cpu.rank"
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class _Scope:
-    """What one process writes or reads: its layers under their model names, and its peers."""
+    """What one process writes or reads, and its peers."""
 
-    module: nn.Module  # this rank's layers, named as in the nn.Sequential
+    layout: Layout  # its layers under their model names, and what it knows of the whole
     ranks: Ranks  # every process that writes or reads the checkpoint
     device: torch.device  # where this process's collectives run
 
@@ -79,7 +99,8 @@ def save_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
     Every rank of the pipe's group calls it (with a data-parallel group: every rank of
     the default group) with the same ``path`` and ``step``; each writes only the layers
     it runs and their optimizer state. ``path`` is a directory; one already there is
-    replaced only once the new checkpoint is complete.
+    replaced only once the new checkpoint is complete. Nothing is changed: no optimizer
+    step runs, gradients stay where they are.
 
     Args:
         pipe: a Pipe, in one process or with a group (its runner built: after the first
@@ -90,8 +111,10 @@ def save_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
 
     Raises:
         ValueError: the optimizer holds a parameter this rank's layers do not.
-        PeerError: a rank did not reach a barrier within the Pipe's timeout.
-        torch.distributed.checkpoint.api.CheckpointException: a rank failed to write.
+        CheckpointError: a rank failed to plan or write its part (on every rank, naming
+            that rank and its error).
+        PeerError: a rank did not take part within the Pipe's timeout.
+        OSError: the directory could not be written.
     """
     _save(_scope_of_pipe(pipe), optimizer, Path(path), step)
 
@@ -102,17 +125,21 @@ def load_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
 
     Any cut of the same model loads it: each rank reads the entries of the layers it
     runs, and the optimizer state of their parameters, by name. Every rank of the pipe's
-    group calls it. The optimizer must be of the kind that saved (its state keys are
-    required); its hyperparameters are the checkpoint's afterwards. Gradients are kept.
+    group calls it. Loading is strict: every key this rank needs is there, no model key
+    is foreign to the model, shapes agree, the optimizer is of the kind that saved, and
+    a tied parameter's keys hold one value. The files read are checked against the
+    digests taken at save. The optimizer's hyperparameters are the checkpoint's
+    afterwards. Gradients are kept.
 
     Raises:
         FileNotFoundError: no directory at ``path``.
         ValueError: ``path`` is not a complete checkpoint (no ``.metadata``, or a save
-            that was interrupted), or it lacks an entry this rank needs (another model,
-            or another kind of optimizer); with a group, the other ranks raise
-            RuntimeError naming the check that failed.
-        torch.distributed.checkpoint.api.CheckpointException: a rank failed to read, or
-            a saved tensor's shape differs from the model's.
+            that was interrupted).
+        CheckpointError (a ValueError): the checkpoint does not fit (keys missing or
+            unexpected, another shape, another kind of optimizer, a tie it would break),
+            or a file is not what was saved (naming the file); with a group, every rank
+            raises, the others naming the rank that failed.
+        PeerError: a rank did not take part within the Pipe's timeout.
     """
     return _load(_scope_of_pipe(pipe), optimizer, Path(path))
 
@@ -124,13 +151,13 @@ def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     Runs in one process, without collectives (even where a process group exists); the
     RNG state restored is rank 0's. Returns the saved step. Raises as ``load_checkpoint``.
     """
-    return _load(_Scope(model, OneProcess(0.0), torch.device("cpu")), optimizer, Path(path))
+    return _load(_one_process(model), optimizer, Path(path))
 
 
 def save_model_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                           path: str | os.PathLike[str], step: int) -> None:
     """Write the unpipelined model's checkpoint (one process), loadable by any Pipe cut."""
-    _save(_Scope(model, OneProcess(0.0), torch.device("cpu")), optimizer, Path(path), step)
+    _save(_one_process(model), optimizer, Path(path), step)
 
 
 def check_complete(path: str | os.PathLike[str]) -> Path:
@@ -171,15 +198,22 @@ def _scope_of_pipe(pipe: Pipe) -> _Scope:
         view.add_module(str(index), pipe.model[index])
     ranks, settings = pipe.ranks, pipe.distributed
     if settings is not None:
-        # Data-parallel replicas write the same keys (DCP keeps one copy): all take part.
+        # Data-parallel replicas write the same keys (the plan keeps one copy): all take part.
         ranks = RankGroup(settings.holders, pipe.timeout)
-    return _Scope(view, ranks, pipe.devices[0])
+    layout = Layout(view, frozenset(pipe.model.state_dict(keep_vars=True)),
+                    tuple(tuple(names) for names in pipe._ties))
+    return _Scope(layout, ranks, pipe.devices[0])
+
+
+def _one_process(model: nn.Module) -> _Scope:
+    layout = Layout(model, frozenset(model.state_dict(keep_vars=True)), tied_groups(model))
+    return _Scope(layout, OneProcess(0.0), torch.device("cpu"))
 
 
 def _check_optimizer(scope: _Scope, optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is None:
         return
-    held = {id(p) for p in scope.module.parameters()}
+    held = {id(p) for p in scope.layout.module.parameters()}
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"]
                   if id(p) not in held)
     if foreign:
@@ -187,47 +221,38 @@ def _check_optimizer(scope: _Scope, optimizer: torch.optim.Optimizer | None) -> 
                          f"do not: build it over pipe.parameters()")
 
 
-def _agree(scope: _Scope, failure: BaseException | None, what: str) -> None:
-    """A barrier that also tells every rank whether any rank failed before it."""
-    failed = scope.ranks.gather(failure is not None, what, scope.device)
+def _attempt(work: Callable[[], T], what: str) -> tuple[T | None, BaseException | None]:
+    """``work()``, or the error it raised; torch's own errors become a CheckpointError whose
+    message is their first line (DCP's CheckpointException is not even an Exception)."""
+    try:
+        return work(), None
+    except (CheckpointError, PeerError, OSError) as error:
+        return None, error
+    except Exception as error:  # noqa: BLE001 - reported on every rank by _agree
+        line = (str(error).strip().splitlines() or [""])[0][:500]
+        wrapped = CheckpointError(f"{what}: {type(error).__name__}: {line}")
+        wrapped.__cause__ = error
+        return None, wrapped
+
+
+def _agree(scope: _Scope, failure: BaseException | None, what: str, mine: Any = None
+           ) -> list[Any]:
+    """Every rank's ``mine`` (checked plain data), once every rank reached this point; the
+    first failure raised on every rank (this rank's own, or one naming the rank that failed).
+    Waits at most the Pipe's timeout (PeerError)."""
+    text = None if failure is None else f"{type(failure).__name__}: {failure}"
+    gathered = scope.ranks.gather({"failed": text, "value": None if failure else mine}, what,
+                                  scope.device)
     if failure is not None:
         raise failure
-    if any(failed):
-        raise RuntimeError(f"checkpoint: another rank failed {what}")
-
-
-# -- what a checkpoint holds -----------------------------------------------------------------
-
-
-def _state(scope: _Scope, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """This rank's entries, under the checkpoint's keys (the live tensors, not copies)."""
-    if optimizer is None:
-        return {"model": get_model_state_dict(scope.module, options=_OPTIONS)}
-    # DCP creates a fresh optimizer's state by one step of zero gradients, but skips that
-    # when a parameter has a gradient: set them aside meanwhile, then give them back.
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    gradients = [p.grad for p in parameters]
-    for parameter in parameters:
-        parameter.grad = None
-    try:
-        model_state, optimizer_state = get_state_dict(scope.module, optimizer, options=_OPTIONS)
-    finally:
-        for parameter, gradient in zip(parameters, gradients):
-            parameter.grad = gradient
-    return {"model": model_state, "optim": optimizer_state}
-
-
-def _flat_keys(state: dict[str, Any]) -> list[str]:
-    """The keys DCP stores ``state`` under: nested dicts joined with dots."""
-    keys: list[str] = []
-    for key, value in state.items():
-        keys += [f"{key}.{inner}" for inner in _flat_keys(value)] if isinstance(value, dict) \
-            else [key]
-    return keys
-
-
-def _rng_key(rank: int) -> str:
-    return f"{RNG_PREFIX}{rank}"
+    for rank, entry in enumerate(gathered):
+        if not (isinstance(entry, dict) and set(entry) == {"failed", "value"}
+                and (entry["failed"] is None or isinstance(entry["failed"], str))):
+            raise CheckpointError(f"rank {rank} sent something else than its part while "
+                                  f"{what}: a rank of another version, or corrupt")
+        if entry["failed"] is not None:
+            raise CheckpointError(f"rank {rank} failed {what}: {entry['failed']}")
+    return [entry["value"] for entry in gathered]
 
 
 # -- saving ----------------------------------------------------------------------------------
@@ -244,31 +269,52 @@ def _previous_of(target: Path) -> Path:
 def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None, target: Path,
           step: int) -> None:
     _check_optimizer(scope, optimizer)
-    staging = _staging_of(target)
-    failure: BaseException | None = None
-    if scope.coordinator:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-            staging.mkdir()
-            (staging / INCOMPLETE_MARK).write_bytes(b"")
-        except OSError as error:
-            failure = error
+    staging, rank = _staging_of(target), scope.ranks.rank
+    _, failure = _attempt(lambda: _prepare(staging, target) if scope.coordinator else None,
+                          "preparing the checkpoint directory")
     _agree(scope, failure, "preparing the checkpoint directory")
 
-    state = _state(scope, optimizer)
-    state[STEP_KEY] = torch.tensor(int(step), dtype=torch.int64)
-    state[_rng_key(scope.ranks.rank)] = torch.get_rng_state()
-    scope.ranks.write_checkpoint(state, staging)
-    # DCP's coordinator wrote .metadata after every rank's data: the checkpoint is whole.
+    saving: list[RankSave] = []
 
-    failure = None
-    if scope.coordinator:
-        try:
-            _publish(staging, target)
-        except OSError as error:
-            failure = error
+    def plan() -> dict[str, Any]:
+        state = save_state(scope.layout, optimizer, step, rank)
+        saving.append(RankSave(state, staging, rank))
+        return plan_plain(saving[0].local_plan())
+
+    mine, failure = _attempt(plan, "planning the save")
+    plans = _agree(scope, failure, "planning the save", mine)
+
+    def write() -> dict[str, Any]:
+        results = saving[0].write([plan_from_plain(plan, f"rank {r}'s save plan")
+                                   for r, plan in enumerate(plans)])
+        files = {path.name: digest(path) for path in sorted(staging.glob(f"__{rank}_*.distcp"))}
+        return {"results": results_plain(results), "files": files}
+
+    mine, failure = _attempt(write, "writing its shards")
+    written = _agree(scope, failure, "writing its shards", mine)
+
+    def finish() -> None:
+        if not scope.coordinator:
+            return
+        files: dict[str, dict[str, Any]] = {}
+        for r, part in enumerate(written):
+            files.update(digests_from_plain(part.get("files"), r))
+        metadata = saving[0].finish([results_from_plain(part.get("results"),
+                                                        f"rank {r}'s write results")
+                                     for r, part in enumerate(written)])
+        files[METADATA_FILE] = digest(staging / METADATA_FILE)
+        write_manifest(staging, metadata, files)
+        _publish(staging, target)
+
+    _, failure = _attempt(finish, "publishing the checkpoint")
     _agree(scope, failure, "publishing the checkpoint")  # nobody returns before it is in place
+
+
+def _prepare(staging: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
+    staging.mkdir()
+    (staging / INCOMPLETE_MARK).write_bytes(b"")
 
 
 def _publish(staging: Path, target: Path) -> None:
@@ -303,24 +349,25 @@ def _fsync_directory(directory: Path) -> None:
 def _load(scope: _Scope, optimizer: torch.optim.Optimizer | None, path: Path) -> int:
     _check_optimizer(scope, optimizer)
     directory = check_complete(path)
-    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
-    state = _state(scope, optimizer)
-    state[STEP_KEY] = torch.zeros((), dtype=torch.int64)
-    rng_key = next((key for key in (_rng_key(scope.ranks.rank), _rng_key(0)) if key in saved),
-                   None)
-    if rng_key is not None:
-        state[rng_key] = torch.get_rng_state()  # a placeholder of the right size, filled in
-    missing = [key for key in _flat_keys(state) if key not in saved]
-    _agree(scope, None if not missing else ValueError(
-        f"the checkpoint at {directory} lacks {len(missing)} entries this rank needs (first: "
-        f"{', '.join(missing[:3])}): it was saved from another model, or with another kind of "
-        f"optimizer (its state keys differ)"), "checking the checkpoint's entries")
-    scope.ranks.read_checkpoint(state, directory)
-    if optimizer is None:
-        set_model_state_dict(scope.module, state["model"], options=_OPTIONS)
-    else:
-        set_state_dict(scope.module, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=_OPTIONS)
-    if rng_key is not None:
-        torch.set_rng_state(state[rng_key])
-    return int(state[STEP_KEY].item())
+
+    def prepare() -> tuple[Reading, RankLoad]:
+        metadata, files = read_manifest(directory)
+        verify(directory, files, [METADATA_FILE])
+        reading = plan_reading(scope.layout, optimizer, metadata, directory, scope.ranks.rank)
+        loading = RankLoad(reading.flat, directory, metadata)
+        verify(directory, files, loading.files())
+        return reading, loading
+
+    prepared, failure = _attempt(prepare, "checking the checkpoint")
+    _agree(scope, failure, "checking the checkpoint")
+    assert prepared is not None
+    reading, loading = prepared
+
+    def read() -> dict[str, Any] | None:
+        loading.read()
+        check_ties(reading)
+        return optimizer_state(reading, optimizer)
+
+    optimizer_loaded, failure = _attempt(read, "reading the checkpoint")
+    _agree(scope, failure, "reading the checkpoint")
+    return apply(reading, scope.layout, optimizer, optimizer_loaded)

@@ -9,18 +9,12 @@ its ``group`` argument; nothing else asks whether there is a group.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict_loader import load as load_checkpoint
-from torch.distributed.checkpoint.state_dict_saver import save as save_checkpoint
 
 from pipeline.group.collectives import all_reduce, broadcast_object, gather_objects
 from pipeline.group.links import calibrate_group, calibrate_local
@@ -70,12 +64,6 @@ class Ranks(Protocol):
     def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
         """The hop between the first two stages of ``chain``, measured as the runtime sends."""
 
-    def write_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        """``torch.distributed.checkpoint`` save of every process's ``state`` into ``directory``."""
-
-    def read_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        """``torch.distributed.checkpoint`` load of ``directory`` into ``state``, in place."""
-
 
 class OneProcess:
     """Every stage in this process: each question is answered here, at once."""
@@ -113,14 +101,6 @@ class OneProcess:
 
     def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
         return calibrate_local(list(devices), chain, self.timeout).link(0, 1)
-
-    def write_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        with _one_process_checkpoint():
-            save_checkpoint(state, storage_writer=FileSystemWriter(directory), no_dist=True)
-
-    def read_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        with _one_process_checkpoint():
-            load_checkpoint(state, storage_reader=FileSystemReader(directory), no_dist=True)
 
 
 class RankGroup:
@@ -185,17 +165,3 @@ class RankGroup:
     def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
         return calibrate_group(self.group, chain, devices[0], self.timeout).link(0, 1)
 
-    def write_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        save_checkpoint(state, storage_writer=FileSystemWriter(directory), process_group=self.group)
-
-    def read_checkpoint(self, state: dict[str, Any], directory: Path) -> None:
-        load_checkpoint(state, storage_reader=FileSystemReader(directory), process_group=self.group)
-
-
-@contextmanager
-def _one_process_checkpoint() -> Iterator[None]:
-    # DCP warns that it assumes one process even when asked to (no_dist=True).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                category=UserWarning)
-        yield
