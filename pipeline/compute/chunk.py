@@ -4,13 +4,15 @@ A chunk receives any pytree of tensors (see ``pipeline.payloads.tree``) and keep
 per micro-batch, what its backward needs. Three things keep it exact on real
 models:
 
-- inputs are fresh leaves, and when a layer modifies its input in place (an
-  in-place ReLU first in a stage) the layers run on a copy, so the user's ``x``,
-  the sender's saved tensors and the input kept for recomputation stay intact.
-  Whether a chunk does so is found on the first micro-batch of each step, from
-  the copy's version counter;
+- inputs are fresh leaves, and the layers get copies of every input that a write
+  in place (an in-place ReLU first in a stage) could harm unseen, so the user's
+  ``x``, the sender's saved tensors and the input kept for recomputation stay
+  intact (``pipeline.compute.input_writes``: settled on every micro-batch);
 - every layer that draws random numbers does so under a seed of its own per
   micro-batch (``pipeline.compute.recompute``), the same in the recomputation;
+  the layers without one (none drew in the first micro-batch) run under the
+  chunk's seed, so the recomputation repeats whatever they draw; generators the
+  layers own are put back for the recomputation (``forward_state``);
 - a recomputation leaves BatchNorm's running statistics as they were
   (``pipeline.compute.batchnorm``), or none of the forwards touch them when the
   statistics are deferred to the end of the step.
@@ -29,11 +31,12 @@ from torch import nn
 
 from partitioners.split_backward import WeightGradients, backward_input
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
-from pipeline.compute.recompute import layer_seed, seeded
+from pipeline.compute.recompute import chunk_seed, layer_seed, seeded
 from pipeline.errors import StageError
 from schedules.checkpointing import CheckpointMode, recomputes
 from pipeline.compute.activations import ActivationTracker
-from pipeline.compute.forward_state import Snapshot, WrittenBuffers
+from pipeline.compute.forward_state import GeneratorStates, OwnGenerators, Snapshot, WrittenBuffers
+from pipeline.compute.input_writes import InputWrites, owned_copy
 from pipeline.compute.loss import LossFunctionError, call_loss, check_loss_value
 from pipeline.payloads.tree import Flat, detach, differentiable, flatten
 
@@ -49,6 +52,14 @@ class _Stash:
     weight: float = 1.0
     outputs: Flat | None = None
     loss: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """What a recomputation puts back to see what its forward saw (besides the inputs)."""
+
+    buffers: Snapshot
+    generators: GeneratorStates | None  # the layers' own generators
 
 
 @dataclass(frozen=True)
@@ -105,22 +116,23 @@ class ChunkRunner:
         self._microbatches = 1
         self._draws: list[bool | None] = [None] * len(layers)
         self._quiet = False
-        self._mutates_input: bool | None = None
+        self._surprised = False  # an unseeded layer drew: seed every layer from the next step
+        self._input_writes = InputWrites()
         self._norms = running_norms(layers)
         self._written = WrittenBuffers(layers)
-        self._snapshots: dict[int, Snapshot] = {}  # per recomputed micro-batch
+        self._generators = OwnGenerators(layers)
+        self._replays: dict[int, _Replay] = {}  # per recomputed micro-batch
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
     def begin_step(self, seed_base: int, microbatches: int) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""
         self._stash.clear()
         self._weights.clear()
-        self._snapshots.clear()
+        self._replays.clear()
         self._seed_base = seed_base
         self._microbatches = microbatches
-        self._draws = [None] * len(self.layers)
+        self._draws = [True if self._surprised else None] * len(self.layers)
         self._quiet = False  # no layer of the chunk draws random numbers (known this step)
-        self._mutates_input = None
         if self.deferred is not None:
             self.deferred.begin_step()
 
@@ -141,16 +153,38 @@ class ChunkRunner:
             leaves.append(leaf)
         return Flat(tuple(leaves), flat.spec)
 
-    def _layer_input(self, inputs: Flat) -> tuple[Any, list[torch.Tensor]]:
-        """The value the first layer sees: the leaves, or copies when layers modify them."""
-        if self._mutates_input is False:
-            return inputs.rebuild(), []
-        copies = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in inputs.leaves]
-        watched = [leaf for leaf in copies if isinstance(leaf, torch.Tensor)]
-        return inputs.rebuild(copies), (watched if self._mutates_input is None else [])
+    def _run_layers(self, microbatch: int, inputs: Flat, owned: bool = False) -> Any:
+        """The layers' output for ``inputs`` (``owned``: the chunk's own copies, which the
+        layers may write)."""
+        # With threads, the layers run holding their device's generator lock: no draw,
+        # seeded or not, may take numbers meant for another stage's layer.
+        with self.rng_lock if self.rng_lock is not None else nullcontext():
+            generators = self._generators.snapshot()
+            prepared = self._input_writes.prepare(inputs, owned)
+            try:
+                value = self._call_seeded(microbatch, prepared.value)
+            except StageError as error:
+                if not self._input_writes.refused(error.__cause__, prepared):
+                    raise
+                # torch refused a write to an input before making it: run again on copies,
+                # the layers' generators as this forward found them.
+                self._generators.rewind(generators)
+                prepared = self._input_writes.prepare(inputs)
+                value = self._call_seeded(microbatch, prepared.value)
+            self._input_writes.check(prepared)
+        return value
 
-    def _run_layers(self, microbatch: int, inputs: Flat) -> Any:
-        value, watched = self._layer_input(inputs)
+    def _call_seeded(self, microbatch: int, value: Any) -> Any:
+        """The layers under the chunk's seed for ``microbatch``; note if one without its own drew."""
+        watched = False in self._draws  # else every layer runs under its own seed
+        seed = chunk_seed(self._seed_base, self.spec.first_layer, microbatch)
+        with seeded(self.device, seed, watch=watched) as probe:
+            value = self._call_layers(microbatch, value)
+            if watched and probe.drew():
+                self._surprised = True
+        return value
+
+    def _call_layers(self, microbatch: int, value: Any) -> Any:
         offset = 0
         try:
             if self._quiet:  # the common case: plain calls, nothing per layer
@@ -166,8 +200,6 @@ class ChunkRunner:
                 f"stage {self.spec.stage}, layer {self.spec.first_layer + offset} ({name}), "
                 f"micro-batch {microbatch}: {type(error).__name__}: {error}"
             ) from error
-        if watched:
-            self._mutates_input = any(t._version for t in watched)
         return value
 
     def _run_layer(self, microbatch: int, offset: int, layer: nn.Module, value: Any) -> Any:
@@ -175,7 +207,7 @@ class ChunkRunner:
         if draws is False:
             return layer(value)
         seed = layer_seed(self._seed_base, self.spec.first_layer + offset, microbatch)
-        with seeded(self.device, seed, self.rng_lock, watch=draws is None) as probe:
+        with seeded(self.device, seed, watch=draws is None) as probe:
             value = layer(value)
             if draws is None:
                 self._draws[offset] = probe.drew()
@@ -190,8 +222,12 @@ class ChunkRunner:
     def _forward_with_graph(self, microbatch: int, stash: _Stash, first: bool) -> None:
         key = (microbatch, self.spec.index)
         recording = self.tracker.recording(key) if self.tracker else nullcontext()
+        if self.spec.is_first:
+            # The caller's x (the stash holds views of it) must not be written: the layers get
+            # copies, which replace the views in the stash.
+            stash.inputs = owned_copy(stash.inputs)
         with recording, self._statistics(first):
-            outputs = self._run_layers(microbatch, stash.inputs)
+            outputs = self._run_layers(microbatch, stash.inputs, owned=self.spec.is_first)
             stash.outputs = flatten(outputs)
             if self.spec.is_last:
                 stash.loss = self._loss(microbatch, outputs, stash)
@@ -234,11 +270,12 @@ class ChunkRunner:
             assert stash.outputs is not None
             return detach(stash.outputs.rebuild())
         snapshot, marks = self._written.snapshot()
+        generators = self._generators.snapshot()
         with torch.no_grad(), self._statistics(first=True):
             outputs = self._run_layers(microbatch, stash.inputs)
             if self.spec.is_last:
                 outputs = self._loss(microbatch, outputs, stash)
-        self._snapshots[microbatch] = self._written.learn(snapshot, marks)
+        self._replays[microbatch] = _Replay(self._written.learn(snapshot, marks), generators)
         return detach(outputs)
 
     # -- backward ---------------------------------------------------------------------------
@@ -246,7 +283,9 @@ class ChunkRunner:
     def _ready_for_backward(self, microbatch: int) -> _Stash:
         stash = self._stash[microbatch]
         if stash.outputs is None and stash.loss is None:
-            with self._written.replayed(self._snapshots.pop(microbatch, None)):
+            replay = self._replays.pop(microbatch, None) or _Replay({}, None)
+            with self._written.replayed(replay.buffers), \
+                    self._generators.replayed(replay.generators):
                 self._forward_with_graph(microbatch, stash, first=False)
         return stash
 

@@ -1,4 +1,4 @@
-"""Buffers a forward writes, put back in place for a recomputation to see what the forward saw.
+"""State a forward changes (buffers, private generators), put back for its recomputation.
 
 Some layers update state in their forward: BatchNorm's running statistics, spectral
 norm's power-iteration vectors (``parametrizations.spectral_norm`` refines ``_u`` and
@@ -10,12 +10,23 @@ recomputation runs with those copies in place and the live values are put back a
 it. Which buffers a forward writes is found, not declared: by their version counters
 (every in-place write bumps one) across the first recomputed forward; until then every
 buffer is copied once.
+
+A layer may also draw from a ``torch.Generator`` of its own (``torch.bernoulli(p,
+generator=self.generator)``): each draw moves it, so a recomputation would draw the next
+numbers, not the forward's (``torch.utils.checkpoint`` has the same gap). The generators
+a chunk's modules hold as attributes (or in a list, tuple or dict attribute) are found
+when the chunk is built; their states are read before each forward and, for a
+recomputation, set back for its duration. A generator the attributes do not show (one
+captured in a closure, or a global) cannot be found: a layer drawing from it is exact
+without recomputation only (tests/pipeline/test_detection.py shows the limit). A
+generator shared by layers of two chunks is drawn in the order the stages run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,3 +76,52 @@ class WrittenBuffers:
                 for module, attribute, tensor, value in live:
                     setattr(module, attribute, tensor)
                     tensor.copy_(value)
+
+
+GeneratorStates = list[torch.Tensor]
+
+
+class OwnGenerators:
+    """The ``torch.Generator`` objects held by ``module``'s submodules, and their states."""
+
+    def __init__(self, module: nn.Module) -> None:
+        found: dict[int, torch.Generator] = {}
+        for submodule in module.modules():
+            for value in vars(submodule).values():
+                for candidate in _members(value):
+                    if isinstance(candidate, torch.Generator):
+                        found.setdefault(id(candidate), candidate)
+        self._generators = list(found.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._generators)
+
+    def snapshot(self) -> GeneratorStates | None:
+        """Their states now, or None when the module holds no generator."""
+        return [g.get_state() for g in self._generators] if self._generators else None
+
+    def rewind(self, states: GeneratorStates | None) -> None:
+        """Set them back to ``states`` (a forward run again)."""
+        for generator, state in zip(self._generators, states or []):
+            generator.set_state(state)
+
+    @contextmanager
+    def replayed(self, states: GeneratorStates | None) -> Iterator[None]:
+        """Within the body the generators hold ``states``; afterwards their live states."""
+        if states is None:
+            yield
+            return
+        live = self.snapshot()
+        self.rewind(states)
+        try:
+            yield
+        finally:
+            self.rewind(live)
+
+
+def _members(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, dict):
+        return tuple(value.values())
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)

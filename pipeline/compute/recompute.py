@@ -21,17 +21,28 @@ which draws from one stream, sees other numbers).
 
 Which layers draw is not declared: the first micro-batch of each step runs
 every layer under its seed and checks whether the generator moved. Layers that
-drew keep their seed (and, with threads, a per-device lock, since the generator
-itself is shared) for the rest of the step; layers that did not run unlocked,
-so stages without randomness still overlap. A layer that draws only for some
-inputs of a step must draw for the first micro-batch too, or it is not seeded.
+drew keep their seed for the rest of the step; layers that did not run plainly.
+
+A layer may draw only for some inputs (rows over a threshold, a short
+micro-batch), so not drawing in the first micro-batch proves nothing. So a
+chunk's whole forward runs under a seed of its own too (from the chunk's first
+layer and the micro-batch), the layers without a seed drawing from that
+stream, and the recomputation runs under the same one: exact, whoever draws,
+for the price of one state save and restore per forward (what
+``torch.utils.checkpoint`` pays per call). Whether such a layer drew is checked
+on every forward (the generator's state against the freshly seeded one); a
+chunk where one did seeds every layer from its next step on, so that the
+numbers stop depending on where the model was cut.
+
+With threads, stages on one device share its generator: a chunk's forward runs
+holding the device's lock, so no draw, seeded or not, takes numbers meant for
+another stage's layer (backwards, the larger part of a step, still overlap).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -44,6 +55,11 @@ def step_seed() -> int:
 def layer_seed(base: int, layer: int, microbatch: int) -> int:
     """The seed of one (layer, micro-batch) forward within a step."""
     return (base * 1_000_003 + layer * 10_007 + microbatch) % (2**63 - 1)
+
+
+def chunk_seed(base: int, first_layer: int, microbatch: int) -> int:
+    """The seed of one (chunk, micro-batch) forward, for the layers that run without theirs."""
+    return layer_seed(base ^ 0x5EED_C4A0_0C4E_5EED, first_layer, microbatch)
 
 
 class Probe:
@@ -66,15 +82,14 @@ def _generator_state(device: torch.device) -> torch.Tensor:
 
 
 @contextmanager
-def seeded(
-    device: torch.device, seed: int, lock: threading.Lock | None, watch: bool = False
-) -> Iterator[Probe]:
+def seeded(device: torch.device, seed: int, watch: bool = False) -> Iterator[Probe]:
     """Run the body under ``seed`` on ``device``'s generator, restoring it afterwards.
 
-    With ``watch``, the yielded Probe tells afterwards whether the body drew numbers.
+    The caller holds the generator's lock, if it has one. With ``watch``, the yielded
+    Probe tells afterwards whether the body drew numbers.
     """
     cuda = [device] if device.type == "cuda" else []
-    with lock if lock is not None else nullcontext(), torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=cuda):
         if device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)

@@ -634,3 +634,17 @@ def mesh_data_parallel(rank: int, world: int) -> Any:
     loss_error, error, compared = _against_both_replicas(pipe, x, y, seed=20)
     pipe.close()
     return loss_error, error, compared, pipe.stages
+
+
+def detection_rows(rank: int, world: int, runs: tuple[tuple[str, str, str], ...]) -> list[Any]:
+    """Issue 31 rows 4-6 on ranks: each (case, schedule, mode) of ``detection_cases``."""
+    from detection_cases import run_case
+
+    torch.set_num_threads(1)
+    results = []
+    for case, schedule, mode in runs:
+        result = run_case(case, schedule, mode, group=dist.group.WORLD, timeout=60.0)
+        # Tensors would cross to the parent as shared memory, gone once the rank exits.
+        result["grads"] = {name: grad.tolist() for name, grad in result["grads"].items()}
+        results.append(result)
+    return results
