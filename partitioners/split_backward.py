@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -160,7 +161,8 @@ def _rerun(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tupl
     tensor hooks, and the engine would run them again on it, then run the exits' own
     tensor hooks as it captured there, before W runs them once more.
     """
-    computed = junction.node(*entered)
+    backward = cast(Callable[..., Any], junction.node)  # torch's stubs give Node no __call__
+    computed = backward(*entered)
     outputs = computed if isinstance(computed, tuple) else (computed,)
     return [(exit.slot, outputs[exit.output]) for exit in missing if outputs[exit.output] is not None]
 
