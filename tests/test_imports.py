@@ -1,7 +1,8 @@
 """The import graph: no cycle between modules, and packages point one way.
 
-``schedules`` <- ``partitioners`` <- ``pipeline``: schedules imports neither of the
-others, partitioners never imports pipeline. Inside ``pipeline`` the rooms point one
+``schedules``, ``units`` <- ``partitioners`` <- ``pipeline``: schedules and units import
+none of the others (units, the tracer, imports only torch), partitioners never imports
+pipeline. Inside ``pipeline`` the rooms point one
 way too, from the façade (``Pipe``) down through what is decided once at build
 (``setup``), what predicts a step (``predict``), what runs every step (``runtime``),
 to the process group, the transports, one chunk's compute, the payloads and the
@@ -19,7 +20,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("schedules", "partitioners", "pipeline")
+PACKAGES = ("schedules", "units", "partitioners", "pipeline")
 RANK = {name: rank for rank, name in enumerate(PACKAGES)}
 
 
@@ -48,6 +49,11 @@ def test_no_module_imports_itself_round_a_cycle() -> None:
     # name itself is an import of those, not a cycle of modules.
     modules = graph.subgraph(node for node in graph if node not in PACKAGES)
     assert list(nx.simple_cycles(modules)) == []
+
+
+def test_units_import_no_other_package() -> None:
+    assert [edge for edge in import_graph().edges
+            if edge[0].startswith("units") and not edge[1].startswith("units")] == []
 
 
 def test_packages_point_one_way() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,35 +28,68 @@ from units.calls import CallSpec, as_call
 from units.errors import TraceError
 
 
-_TRACES: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[torch.fx.GraphModule, CallSpec]]] \
-    = weakref.WeakKeyDictionary()
+_KEPT_TRACES = 16
 
 
 def export_model(model: nn.Module, sample: Any, training: bool
                  ) -> tuple[torch.fx.GraphModule, CallSpec]:
-    """``model``'s forward on ``sample`` as a graph (``_export``), traced once per model,
-    mode and batch structure while the model lives: a trace costs seconds, and each Pipe
-    built on the same model would otherwise pay it again. The key holds everything a
-    trace depends on that can change in place (the modules and tensors the model holds,
-    its config), so a model edited since is traced anew."""
+    """``model``'s forward on ``sample`` as a graph (``_export``), kept for the next model of
+    the same make: a trace costs seconds, and a Pipe built on a copy of a model (every rank
+    and every test builds one) would pay it again. The programs cut from it read the
+    model's tensors by name at each call, so a trace serves every model whose modules,
+    tensors' names, shapes and dtypes, plain attributes (flags, sizes) and config are the
+    same; anything else is traced anew. The last ``_KEPT_TRACES`` are kept, without the
+    tensors of the model they were traced on."""
     key = _fingerprint(model, sample, training)
-    found = _TRACES.setdefault(model, {})
-    if key not in found:
-        found[key] = _export(model, sample, training)
-    return found[key]
+    if key in _TRACES:
+        _TRACES[key] = _TRACES.pop(key)  # most recently used last
+    else:
+        graph_module, call = _export(model, sample, training)
+        _TRACES[key] = (_without_model_state(graph_module), call)
+        while len(_TRACES) > _KEPT_TRACES:
+            _TRACES.pop(next(iter(_TRACES)))
+    return _TRACES[key]
+
+
+_TRACES: dict[Any, tuple[torch.fx.GraphModule, CallSpec]] = {}
 
 
 def _fingerprint(model: nn.Module, sample: Any, training: bool) -> Any:
     leaves, structure = pytree.tree_flatten(as_call(sample))
     described = tuple((tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
                       else (type(leaf), repr(leaf)) for leaf in leaves)
-    modules = tuple((name, id(module), type(module)) for name, module in
+    modules = tuple((name, type(module), _plain_attributes(module)) for name, module in
                     model.named_modules(remove_duplicate=False))
-    tensors = tuple((name, id(tensor), tensor.device) for name, tensor in
+    tensors = tuple((name, tuple(tensor.shape), tensor.dtype, tensor.device,
+                     isinstance(tensor, nn.Parameter), tensor.requires_grad) for name, tensor in
                     [*model.named_parameters(remove_duplicate=False),
                      *model.named_buffers(remove_duplicate=False)])
+    ties = tuple(sorted(_ties(model)))
     config = repr(getattr(model, "config", None))
-    return (training, str(structure), described, modules, tensors, config)
+    return (training, str(structure), described, modules, tensors, ties, config)
+
+
+def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((key, repr(value)) for key, value in vars(module).items()
+                        if key != "training" and isinstance(value, (bool, int, float, str,
+                                                                      type(None), tuple))))
+
+
+def _ties(model: nn.Module) -> list[tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(tensor), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def _without_model_state(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The trace without the model's tensors (units read their own model's): only the
+    guard function and the constants the trace lifted out of the code stay."""
+    for name in list(graph_module._modules):
+        if name != "_guards_fn":
+            del graph_module._modules[name]
+    graph_module._parameters.clear()
+    return graph_module
 
 
 def _export(model: nn.Module, sample: Any, training: bool

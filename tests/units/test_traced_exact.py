@@ -1,0 +1,103 @@
+"""A model as it is written, pipelined in one process: loss and every gradient equal the
+plain model's (float64, by the model's own parameter names), every schedule family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from pipeline import Pipe
+from traced_models import build, llama, loss_options, reference, tokens
+
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v")
+MODES = ("never", "always")
+TOLERANCE = 1e-10
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2", "looped"])
+def case(request: pytest.FixtureRequest):
+    model, batch, target = build(request.param)
+    plain = copy.deepcopy(model)
+    return request.param, model, batch, target, reference(plain, batch, target, request.param)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_and_gradients_equal_the_plain_model(case, schedule: str, mode: str) -> None:
+    kind, model, batch, target, (loss_expected, grads_expected) = case
+    model.zero_grad()
+    with Pipe(model, chunks=4, schedule=schedule, checkpoint=mode, sample=batch,
+              devices=["cpu", "cpu"], **loss_options(kind)) as pipe:
+        loss = pipe.step(batch, target)
+    assert abs(loss.item() - loss_expected) < TOLERANCE
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert set(grads) == set(grads_expected)
+    for name, grad in grads.items():
+        assert grad is not None, name
+        assert (grad - grads_expected[name]).abs().max().item() < TOLERANCE, name
+
+
+def test_the_default_cut_is_prologue_blocks_epilogue() -> None:
+    model = llama(layers=3)
+    batch, target = tokens()
+    with Pipe(model, chunks=2, sample=batch, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        names = [unit.name for unit in pipe.units]
+        assert names == ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2",
+                         "(epilogue)"]
+        assert sum(pipe.balance) == 5
+        assert "model.layers.1.self_attn.q_proj.weight" in pipe.units[2].parameters
+        assert "model.norm" in pipe.units[4].modules
+        # the parameters that run are the model's own objects
+        own = {id(p) for p in model.parameters()}
+        assert all(id(p) in own for p in pipe.model.parameters())
+
+
+def test_sequence_length_changes_between_steps() -> None:
+    model = llama()
+    plain = copy.deepcopy(model)
+    batch, _ = tokens(length=12)
+    with Pipe(model, chunks=2, schedule="zb-v", checkpoint="always", sample=batch,
+              devices=["cpu", "cpu"], **loss_options("llama")) as pipe:
+        for length in (12, 7, 20):
+            batch, target = tokens(length=length, seed=length)
+            loss_expected, grads_expected = reference(plain, batch, target, "llama")
+            model.zero_grad()
+            loss = pipe.step(batch, target)
+            assert abs(loss.item() - loss_expected) < TOLERANCE, length
+            worst = max((p.grad - grads_expected[n]).abs().max().item()
+                        for n, p in model.named_parameters())
+            assert worst < TOLERANCE, length
+
+
+def test_the_output_is_what_the_model_returns_in_both_modes() -> None:
+    model = llama()
+    batch, _ = tokens()
+    with Pipe(model, chunks=2, sample=batch, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        for training in (True, False):
+            pipe.train(training)
+            output = pipe(batch)
+            expected = model(**batch)
+            assert type(output) is type(expected)
+            assert (output.logits - expected.logits).abs().max().item() < TOLERANCE
+
+
+def test_an_optimizer_on_the_model_trains_what_runs() -> None:
+    model = llama()
+    plain = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    batch, target = tokens()
+    with Pipe(model, chunks=2, sample=batch, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        for _ in range(2):
+            pipe.step(batch, target)
+            optimizer.step()
+            optimizer.zero_grad()
+            reference(plain, batch, target, "llama")
+            plain_optimizer.step()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert (p - q).abs().max().item() < TOLERANCE, name

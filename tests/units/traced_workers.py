@@ -1,0 +1,63 @@
+"""Rank functions for the traced-model tests (spawned by pipeline.group.launch.run_ranks)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline import Pipe, gather_state_dict
+from traced_models import build, loss_options, reference
+
+
+def exact_on_ranks(rank: int, world: int, kinds: list[str], schedules: list[str],
+                   modes: list[str]) -> list[tuple[Any, ...]]:
+    """Per (model, schedule, mode): the loss error and the worst gradient error of the
+    parameters this rank holds, and how many it compared."""
+    torch.set_num_threads(1)
+    rows = []
+    for kind in kinds:
+        base, batch, target = build(kind)
+        loss_expected, grads_expected = reference(copy.deepcopy(base), batch, target, kind)
+        for schedule in schedules:
+            for mode in modes:
+                model = copy.deepcopy(base)
+                with Pipe(model, chunks=4, schedule=schedule, checkpoint=mode, sample=batch,
+                          group=dist.group.WORLD, **loss_options(kind)) as pipe:
+                    loss = pipe.step(batch, target)
+                    local = {id(p) for p in pipe.parameters()}
+                errors = [(p.grad - grads_expected[name]).abs().max().item()
+                          for name, p in model.named_parameters(remove_duplicate=False)
+                          if id(p) in local and not p.is_meta]
+                rows.append((kind, schedule, mode, abs(loss.item() - loss_expected),
+                             max(errors), len(errors)))
+    return rows
+
+
+def state_on_ranks(rank: int, world: int) -> Any:
+    """A Llama trained one SGD step on 2 ranks and gathered on rank 0, against the plain
+    model trained the same way: (this rank's keys, the gathered keys, the worst difference,
+    whether the plain model loads the gathered state strictly)."""
+    torch.set_num_threads(1)
+    base, batch, target = build("llama")
+    model = copy.deepcopy(base)
+    with Pipe(model, chunks=2, sample=batch, group=dist.group.WORLD,
+              **loss_options("llama")) as pipe:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+        pipe.step(batch, target)
+        optimizer.step()
+        local_keys = sorted(pipe.state_dict())
+        state = gather_state_dict(pipe)
+    if state is None:
+        return local_keys, None, None, None
+    plain = copy.deepcopy(base)
+    reference(plain, batch, target, "llama")
+    torch.optim.SGD(plain.parameters(), lr=0.5).step()
+    expected = plain.state_dict()
+    worst = max((state[key] - expected[key]).abs().max().item() for key in expected)
+    fresh = copy.deepcopy(base)
+    fresh.load_state_dict(state, strict=True)
+    loaded = all(torch.equal(fresh.state_dict()[key], state[key]) for key in expected)
+    return local_keys, sorted(state), worst, loaded
