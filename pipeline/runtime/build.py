@@ -47,5 +47,5 @@ def _data_parallel(distributed: Distributed, device: torch.device,
     if distributed.data_parallel == "fsdp":
         mesh = distributed.data_mesh(device.type)
         assert mesh is not None
-        return FullyShard(mesh, distributed.reshard_after_forward, split_backward)
-    return Replicate(distributed.data_group, timeout)
+        return FullyShard(mesh, distributed.reshard_after_forward, split_backward, timeout)
+    return Replicate(distributed.data_group, timeout, device)

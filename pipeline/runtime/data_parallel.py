@@ -9,12 +9,18 @@ gradients and to free what a forward-only call gathered. ``Replicate`` is plain 
 - The units: each local layer, except that layers holding one parameter (a tied weight,
   one block at several positions) form one unit, since FSDP2 shards a parameter once;
   such a unit is gathered when the step begins (no hook of its own can).
-- Within a step a unit's parameters are all-gathered at its first forward and kept across
-  the micro-batches (``reshard_after_forward=False``, the default), and every backward
+- Within a step a unit's parameters are all-gathered when the step begins, once every
+  replica has met (bounded by the timeout), and kept across the micro-batches
+  (``reshard_after_forward=False``, the default), and every backward
   (I and W alike) accumulates into the gathered parameters without any reduction; after
   the stage's last backward one reduce-scatter per unit averages the gradients over the
   replicas into the sharded ``.grad`` and frees the gathered parameters. So a step costs
   one all-gather and one reduce-scatter per unit, whatever the micro-batch count.
+- FSDP2's collectives wait for the process group's own timeout, not the Pipe's; so
+  before the reduce-scatter the replicas agree, within the timeout, that every
+  replica's step succeeded (``pipeline.group.agreement``; ``Replicate`` does the same
+  before its all-reduces), and a replica whose step failed says so from its error path:
+  every replica then raises, none reduces.
 - With ``reshard_after_forward=True`` a forward hook frees the gathered parameters after
   each forward of the unit (FSDP2 never reshards a root after its forward by itself, and
   every unit here is a root); FSDP2 gathers them again for the backward and, unless the
@@ -24,10 +30,10 @@ gradients and to free what a forward-only call gathered. ``Replicate`` is plain 
 FSDP2 has no public call for "reduce now" outside its own backward hooks, which fire
 per backward and before the W half of a split backward has accumulated anything; as
 torch.distributed.pipelining does, ``_reduce_now`` calls each parameter group's
-``post_backward`` and the root's final callback. Those, the lazy initialisation a held
-unit's forward would run, and dropping a failed step's gathered gradients are the
-places this module reaches into FSDP2's internals (checked by the mesh tests on every
-torch this project pins).
+``post_backward`` and the root's final callback. Those, the lazy initialisation a
+unit's forward would run (every unit is gathered before its first forward), and
+dropping a failed step's gathered gradients are the places this module reaches into
+FSDP2's internals (checked by the mesh tests on every torch this project pins).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from pipeline.errors import PeerError
+from pipeline.group.agreement import ReplicaAgreement
 from pipeline.group.collectives import all_reduce
 
 
@@ -153,16 +161,26 @@ class Alone:
 class Replicate(Alone):
     """Each replica holds the whole stage; gradients are averaged after each step."""
 
-    def __init__(self, data_group: dist.ProcessGroup, timeout: float) -> None:
+    def __init__(self, data_group: dist.ProcessGroup, timeout: float,
+                 device: torch.device | None = None) -> None:
         self.group = data_group
         self.data_group = data_group
         self.timeout = timeout
+        self.agreement = ReplicaAgreement(data_group, timeout, device or torch.device("cpu"))
 
     @property
     def sharding(self) -> Sharding:
         return Sharding(replicas=dist.get_world_size(self.data_group))
 
+    def begin_step(self) -> None:
+        # Every collective here is bounded: no need to meet first.
+        self.agreement.start(meet=False)
+
+    def abandon_step(self) -> None:
+        self.agreement.failed()
+
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
+        self.agreement.succeeded()
         replicas = dist.get_world_size(self.data_group)
         for parameter in parameters:
             if parameter.grad is not None:
@@ -175,9 +193,11 @@ class FullyShard(Alone):
     """Each replica holds a 1/dp shard of every local layer (FSDP2), gathered per step."""
 
     def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
-                 split_backward: bool = False) -> None:
+                 split_backward: bool = False, timeout: float = 60.0) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
+        self.timeout = timeout
+        self.agreement = ReplicaAgreement(self.group, timeout, torch.device(mesh.device_type))
         self.reshard_after_forward = reshard_after_forward
         # After a whole backward the unit's gathered parameters are done with until its next
         # forward; after an I, the W to come may still read them.
@@ -212,16 +232,16 @@ class FullyShard(Alone):
         backwards, which every replica runs alike); no gradient is reduced. Afterwards the
         gathered parameters and what they accumulated are dropped; the sharded ``.grad``
         of earlier steps is kept."""
-        self.begin_step()
+        self._prepare_step()
         self.keep_gathered = True
         try:
             for unit in self.units:
                 unit.set_reshard_after_backward(False)
-                unit.unshard()
+            self._gather_all()
             yield
         finally:
             self.keep_gathered = False
-            self.abandon_step()
+            self._drop_gathered()
 
     def begin_forward_only(self) -> None:
         for unit in self.held:
@@ -229,21 +249,45 @@ class FullyShard(Alone):
             unit.unshard()
 
     def begin_step(self) -> None:
-        self.begin_forward_only()
+        """Meet the replicas (bounded), then gather every unit before any compute: a replica
+        that fails mid-step has then taken part in every all-gather of the step, so none
+        waits for it (with ``reshard_after_forward`` the later gathers still may)."""
+        self.agreement.start(meet=True)
+        self._prepare_step()
+        self._gather_all()
+
+    def _prepare_step(self) -> None:
         for unit in self.units:
             unit.set_requires_gradient_sync(False)
             unit.set_reshard_after_backward(self.reshard_after_backward)
             unit.set_is_last_backward(False)
 
+    def _gather_all(self) -> None:
+        try:
+            for unit in self.units:
+                fully_shard.state(unit)._lazy_init()  # type: ignore[attr-defined]  # a forward's
+                unit.unshard()
+        except RuntimeError as error:  # gloo's own: a replica's process ended
+            raise _peer_error("gathering the stage's parameters", error) from error
+
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
+        self.agreement.succeeded()
         for unit in self.units:
             unit.set_requires_gradient_sync(True)
             unit.set_reshard_after_backward(True)
             unit.set_is_last_backward(True)
-        _reduce_now(self.units)
+        try:
+            _reduce_now(self.units)
+        except RuntimeError as error:  # gloo's own: a replica's process ended
+            raise _peer_error("reduce-scattering the gradients", error) from error
 
     def abandon_step(self) -> None:
-        """Drop the gathered parameters and whatever gradients they accumulated."""
+        """Tell the replicas this step failed (if it has not agreed yet), then drop the
+        gathered parameters and whatever gradients they accumulated."""
+        self.agreement.failed()
+        self._drop_gathered()
+
+    def _drop_gathered(self) -> None:
         for unit in self.units:
             for group in _parameter_groups(unit):
                 for fsdp_param in group.fsdp_params:
@@ -270,6 +314,12 @@ class FullyShard(Alone):
         per_rank = -(-shape[0] // replicas)
         start = min(shape[0], coordinate * per_rank)
         return (min(shape[0], start + per_rank) - start, *shape[1:])
+
+
+def _peer_error(what: str, error: RuntimeError) -> PeerError:
+    return PeerError(f"rank {dist.get_rank()}: {what} across this stage's data-parallel "
+                     f"replicas failed, after every replica had agreed to it (a replica's "
+                     f"process ended mid-collective?): {type(error).__name__}: {error}")
 
 
 def sharing_units(layers: Sequence[nn.Module]) -> list[list[nn.Module]]:

@@ -214,8 +214,8 @@ class DistRunner:
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
         state = StepState.set_aside(self.parameters(), self.chunks_modules())
-        self.data_parallel.begin_step()
         try:
+            self.data_parallel.begin_step()
             found = self._step(inputs, targets, weights)
         except BaseException as error:
             self.data_parallel.abandon_step()

@@ -14,6 +14,7 @@ from torch import nn
 # test's bound.
 SILENCE = 13.0  # seconds rank 1 stays silent
 TIMEOUT = 2.0
+HELD = 12.0  # seconds every rank of replica_fails stays, whatever its step did
 
 
 def _mlp() -> nn.Sequential:
@@ -107,3 +108,49 @@ def lone_validation(rank: int, world: int, transport: str) -> list[tuple[str, st
     untouched = all(p.grad is None for p in pipe.parameters())
     dist.barrier(dist.new_group(list(range(world))))  # neither leaves while the other waits
     return [*outcomes, ("gradients untouched", str(untouched), 0.0)]
+
+
+class FailsOn(nn.Module):
+    """Raises, or stalls for ``SILENCE`` seconds, in its forward on global rank ``rank``."""
+
+    def __init__(self, rank: int, how: str) -> None:
+        super().__init__()
+        self.rank, self.how = rank, how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == self.rank:
+            if self.how == "raise":
+                raise RuntimeError("this replica's stage fails")
+            time.sleep(SILENCE)
+        return x
+
+
+def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing: int,
+                  how: str) -> tuple[str, float, bool]:
+    """A (pp, dp) = (2, 2) mesh, ``Pipe(timeout=5)``: a layer of ``stage`` raises (``how``
+    "raise") or stalls (``"stall"``) on global rank ``failing`` in the first forward. This
+    rank's step: (outcome, seconds, whether every gradient is still None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import Pipe
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()]
+    layers.insert(1 if stage == 0 else 3, FailsOn(failing, how))
+    model = nn.Sequential(*layers).double()
+    pipe = Pipe(model, 2, balance=[2, 3], schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
+                mesh=mesh, data_parallel=data_parallel)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    started = time.monotonic()
+    try:
+        pipe.step(x, x)
+        outcome = "returned"
+    except Exception as error:  # noqa: BLE001 - what the test inspects
+        outcome = f"{type(error).__name__}: {str(error)[:300]}"
+    seconds = time.monotonic() - started
+    # No rank leaves before the bar has passed: a rank waiting for a failed one until its
+    # process ends would otherwise be freed early, by a raw gloo error.
+    time.sleep(max(0.0, started + HELD - time.monotonic()))
+    return outcome, seconds, all(p.grad is None for p in pipe.parameters())

@@ -2,7 +2,8 @@
 
 Rank 1 builds four Pipes (``timeout=2``) and goes silent for 13 s; rank 0 calls
 ``gather_state_dict``, ``step``, ``predict`` and ``close`` on them in turn, then
-``save_state_dict``: each returns or raises within 10 s.
+``save_state_dict``: each returns or raises within 10 s. In a (2, 2) mesh, a replica
+whose step fails or stalls is a PeerError within 10 s on every rank that waits for it.
 """
 
 from __future__ import annotations
@@ -67,3 +68,41 @@ def test_a_call_one_rank_makes_alone_is_an_error_on_every_rank(
         assert all(seconds < 10 for _, _, seconds in outcomes), calls
         assert any(outcome.startswith("PeerError") for _, outcome, _ in outcomes), calls
     assert "made different calls" in second[0][1], second
+
+
+# (data parallelism, stage, failing global rank, how): on (pp, dp) = (2, 2) stage 0 is held
+# by ranks 0 and 1, stage 1 by ranks 2 and 3; pipelines are (0, 2) and (1, 3).
+REPLICA_FAILURES = (
+    ("fsdp", 1, 2, "raise"),  # the other replica of stage 1 waited in the reduce-scatter
+    ("fsdp", 0, 0, "raise"),  # rank 2 never gathered: rank 3 waited in the all-gather
+    ("replicate", 1, 2, "raise"),  # waited for the timeout, not told
+    ("fsdp", 1, 2, "stall"),  # a silent replica (last: the others leave before it does)
+)
+
+
+@pytest.fixture(scope="module")
+def replica_failures() -> list[list[tuple[str, float, bool]]]:
+    """One spawn of 4 ranks, each case on its own mesh in turn: per rank, per case, its
+    step's (outcome, seconds, gradients untouched)."""
+    calls = [(bounded_workers.replica_fails, case) for case in REPLICA_FAILURES]
+    return run_ranks(in_turn, 4, calls, timeout=280)
+
+
+@pytest.mark.parametrize("case", range(len(REPLICA_FAILURES)))
+def test_a_failing_replica_is_a_peer_error_on_every_waiting_rank_within_the_bound(
+        replica_failures: list[list[tuple[str, float, bool]]], case: int) -> None:
+    """Pipe(timeout=5): every rank but the failing one raises PeerError within 10 s (no raw
+    gloo error, no wait until the failed rank's process ends); the replicas of the failing
+    rank's stage name it; no rank reduced or kept a gradient of the step."""
+    data_parallel, stage, failing, how = REPLICA_FAILURES[case]
+    for rank, cases in enumerate(replica_failures):
+        outcome, seconds, untouched = cases[case]
+        assert untouched, (rank, outcome)
+        if rank == failing:
+            if how == "raise":
+                assert outcome.startswith("StageError") and "replica's stage fails" in outcome
+            continue
+        assert outcome.startswith("PeerError"), (rank, outcome)
+        assert seconds < 10, (rank, outcome, seconds)
+        if rank // 2 == failing // 2 and how == "raise":  # its stage's other replica
+            assert f"rank {failing}, a data-parallel replica of this stage, failed" in outcome
