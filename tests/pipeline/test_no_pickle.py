@@ -1,6 +1,8 @@
 """Nothing a peer sends is unpickled (pipeline.group.collectives): no pickle loader anywhere under
 pipeline/, shared values round-trip exactly, hostile bytes raise a clear error, and a value
-that may not cross is refused at its sender on every rank."""
+that may not cross is refused at its sender on every rank. Checkpoints use none of
+torch.distributed.checkpoint's entry points that unpickle a file or a peer's bytes (their
+crafted files are tested in test_checkpoint_trust)."""
 
 from __future__ import annotations
 
@@ -93,6 +95,82 @@ def test_nothing_under_pipeline_unpickles_or_gathers_objects_with_pickle() -> No
     found = [f"{path.relative_to(PIPELINE.parent)}:{line}" for path in sources
              for line in _forbidden(path.read_text(encoding="utf-8"))]
     assert not found, found
+
+
+# -- checkpoints: no DCP entry point that unpickles, gathers objects or steps the optimizer -------
+
+# FileSystemReader.read_metadata unpickles .metadata; dcp.save/load (state_dict_saver/loader)
+# coordinate ranks with object collectives; get/set_state_dict run optimizer.step() on a fresh
+# optimizer; DefaultLoadPlanner.load_bytes reads bytes entries with torch.load(weights_only=False).
+DCP_FORBIDDEN = {"read_metadata", "state_dict_loader", "state_dict_saver", "get_state_dict",
+                 "set_state_dict", "get_optimizer_state_dict", "set_optimizer_state_dict",
+                 "_init_optim_state", "_load_state_dict_from_keys", "_save_state_dict",
+                 "_load_state_dict", "async_save"}
+DCP_MODULE = "torch.distributed.checkpoint"
+
+
+def _dcp_forbidden(source: str) -> list[str]:
+    """``line: what`` for each use of a DCP entry point that unpickles, gathers objects or
+    steps a live optimizer, and each load planner that keeps DefaultLoadPlanner's load_bytes."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name == DCP_MODULE and alias.asname}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if alias.name in DCP_FORBIDDEN or (
+                        node.module == DCP_MODULE and alias.name in ("save", "load")):
+                    found.append(f"{node.lineno}: from {node.module} import {alias.name}")
+            if node.module and node.module.rsplit(".", 1)[-1] in DCP_FORBIDDEN:
+                found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Attribute):
+            base = node.value.id if isinstance(node.value, ast.Name) else None
+            if node.attr in DCP_FORBIDDEN or (base in modules and node.attr in ("save", "load")):
+                found.append(f"{node.lineno}: {base}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in DCP_FORBIDDEN:
+            found.append(f"{node.lineno}: {node.id}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "DefaultLoadPlanner"):
+            found.append(f"{node.lineno}: DefaultLoadPlanner() reads bytes with weights_only=False")
+        elif isinstance(node, ast.ClassDef) and any(
+                isinstance(base, ast.Name) and base.id == "DefaultLoadPlanner"
+                for base in node.bases):
+            overrides = [item for item in node.body
+                         if isinstance(item, ast.FunctionDef) and item.name == "load_bytes"]
+            if not overrides or "weights_only=True" not in ast.unparse(overrides[0]):
+                found.append(f"{node.lineno}: {node.name} keeps load_bytes without "
+                             f"weights_only=True")
+    return sorted(found, key=lambda line: int(line.split(":")[0]))
+
+
+def test_the_checkpoint_checker_finds_every_unsafe_dcp_entry_point() -> None:
+    source = """
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import load, FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as loading
+dcp.save(state, checkpoint_id=path); dcp.load(state, checkpoint_id=path)
+FileSystemReader(path).read_metadata(); _init_optim_state(optimizer)
+planner = DefaultLoadPlanner()
+class Planner(DefaultLoadPlanner):
+    pass
+class Checked(DefaultLoadPlanner):
+    def load_bytes(self, item, value):
+        self.state_dict[item.dest_index.fqn] = torch.load(value, weights_only=True)
+dcp.FileSystemWriter(path); get_model_state_dict(model); Checked()
+"""
+    found = _dcp_forbidden(source)
+    assert [line.split(":")[0] for line in found] == [
+        "3", "4", "4", "5", "6", "6", "7", "7", "8", "9"], found
+
+
+def test_nothing_under_pipeline_uses_a_dcp_entry_point_that_unpickles_or_steps() -> None:
+    sources = sorted(PIPELINE.rglob("*.py"))
+    found = [f"{path.relative_to(PIPELINE.parent)}:{line}" for path in sources
+             for line in _dcp_forbidden(path.read_text(encoding="utf-8"))]
+    assert not found, found
+    assert any("DefaultLoadPlanner" in path.read_text(encoding="utf-8") for path in sources)
 
 
 # -- round trips ---------------------------------------------------------------------------------
