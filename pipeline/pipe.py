@@ -340,6 +340,8 @@ class Pipe(ModelLike):
         """
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
+        if self._traced is not None and x is not None:
+            self._traced.check_batch(x)
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
         runner = self._ensure_runner(x)
         self._settle_timeline()
@@ -415,6 +417,8 @@ class Pipe(ModelLike):
         """
         if x is None and self._ranks.size == 1:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
+        if self._traced is not None and x is not None:
+            self._traced.check_batch(x)
         inputs = split(x, self.chunks) if x is not None else None
         runner = self._ensure_runner(x)
         outputs = runner.run_forward(inputs)

@@ -40,6 +40,13 @@ class TracedModel:
         self.sequential = sequential
         self.units = tuple(infos)
 
+    def check_batch(self, batch: Any) -> None:
+        """Raise ValueError now, before a step begins, for a batch the first unit would refuse
+        (other arguments or keys, another value of a non-tensor argument)."""
+        first = self.sequential[0]
+        for part in batch if isinstance(batch, list) else [batch]:
+            first._call.flatten(part)
+
     def model_key(self, key: str) -> str:
         """``"3.model.norm.weight"`` -> ``"model.norm.weight"``."""
         return key.split(".", 1)[1]

@@ -48,14 +48,15 @@ class Unit(nn.Module):
                              f"values, got {len(values)}")
         try:
             results = program.module(*state, *values)
-        except RuntimeError as error:
-            if "Guard failed" in str(error) or "guard" in str(error).lower():
-                raise ValueError(
-                    f"this input breaks an assumption the traced graph was built on "
-                    f"({str(error).splitlines()[0]}): the model's code branches on it; trace "
-                    f"it with a sample that has such sizes"
-                ) from None
-            raise
+        except (RuntimeError, AssertionError) as error:
+            if "Guard failed" not in str(error):
+                raise
+            raise ValueError(
+                f"this batch breaks an assumption the traced graph was built on "
+                f"({str(error).splitlines()[0].strip()}; a micro-batch holds a share of the "
+                f"batch's rows): the model's code branches on that size, so the graph traced "
+                f"for the sample cannot run it; build the Pipe with a sample of such sizes"
+            ) from None
         if self._outputs is None:
             return tuple(results)
         places, spec = self._outputs[training]

@@ -1,0 +1,137 @@
+"""What cannot be traced or run as traced is refused with an error that says what to do,
+never run down a branch frozen for another input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import Pipe, StageError
+from traced_models import Block, Looped, loss_options, looped_batch, mse
+from units import TraceError
+
+
+class ValueBranch(Block):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if h.sum() > 0:  # a branch on a tensor's value: a graph cannot follow it
+            return h * 2
+        return h
+
+
+class SizeBranch(Block):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] > 3:  # a branch on a size: export guards it
+            return h * 2
+        return h - 1
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).double()
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        x = self.blocks(x)
+        return x * 2 if double else x
+
+
+def _looped_with(block: type[Block]) -> Looped:
+    model = Looped()
+    model.blocks = nn.ModuleList(block(8) for _ in range(4)).double()
+    return model
+
+
+def _pipe(model: nn.Module, sample, **extra) -> Pipe:
+    return Pipe(model, chunks=2, sample=sample, devices=["cpu", "cpu"], loss_fn=mse, **extra)
+
+
+def test_a_model_that_is_not_sequential_needs_a_sample() -> None:
+    with pytest.raises(ValueError, match="needs sample=.* to cut a Looped"):
+        Pipe(Looped(), chunks=2, devices=["cpu", "cpu"], loss_fn=mse)
+
+
+def test_not_a_module_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="needs an nn.Module.*got function"):
+        Pipe(lambda x: x, chunks=2, devices=["cpu", "cpu"], loss_fn=mse)
+
+
+def test_units_for_a_sequential_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="an nn.Sequential's layers are its units"):
+        Pipe(model, chunks=2, devices=["cpu", "cpu"], loss_fn=mse, units=["0"])
+
+
+def test_units_naming_no_module_that_runs_lists_names_that_do() -> None:
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match=r"no operation .* runs in \['blocks.9'\].*'stem'"):
+        _pipe(Looped(), batch, units=["blocks.1", "blocks.9"])
+
+
+def test_units_out_of_order_are_refused() -> None:
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match="in the order the forward runs them"):
+        _pipe(Looped(), batch, units=["blocks.2", "blocks.1"])
+
+
+def test_units_given_cut_there_and_stay_exact() -> None:
+    model = Looped()
+    batch, target = looped_batch()
+    plain_loss = mse(model(**batch), target)
+    plain_loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with _pipe(model, batch, units=["blocks.1", "blocks.3"]) as pipe:
+        assert [u.name for u in pipe.units] == ["(prologue)", "blocks.1", "blocks.3"]
+        loss = pipe.step(batch, target)
+    assert abs(loss.item() - plain_loss.item()) < 1e-12
+    for name, p in model.named_parameters():
+        assert (p.grad - expected[name]).abs().max().item() < 1e-12, name
+
+
+def test_control_flow_on_tensor_values_is_refused_naming_the_module() -> None:
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match=r"cannot trace Looped in 'blocks.0': its Python "
+                                         r"control flow depends on tensor values"):
+        _pipe(_looped_with(ValueBranch), batch)
+
+
+def test_a_branch_on_a_size_never_runs_for_another_size() -> None:
+    batch, target = looped_batch(rows=8)
+    with _pipe(_looped_with(SizeBranch), batch) as pipe:  # micro-batches of 4 rows: > 3
+        pipe.step(batch, target)
+        small, small_target = looped_batch(rows=4)  # micro-batches of 2 rows
+        with pytest.raises(StageError, match="micro-batch 0: ValueError: this batch breaks an "
+                                             "assumption the traced graph was built on "
+                                             r"\(Guard failed: x.size\(\)\[0\] >= 4"):
+            pipe.step(small, small_target)
+
+
+def test_a_batch_with_other_keys_is_refused() -> None:
+    batch, target = looped_batch()
+    with _pipe(Looped(), batch) as pipe:
+        with pytest.raises(ValueError, match=r"traced with the batch \{'x': .*'weight'.*got "
+                                             r"\{'x'"):
+            pipe.step({"x": batch["x"]}, target)
+        swapped = {"weight": batch["weight"], "x": batch["x"]}  # key order does not matter
+        pipe.step(swapped, target)
+
+
+def test_a_non_tensor_argument_is_frozen_and_checked() -> None:
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with _pipe(Flagged(), {"x": x, "double": True}) as pipe:
+        output = pipe({"x": x, "double": True})
+        assert torch.allclose(output, pipe.source_model(x, double=True))
+        with pytest.raises(ValueError, match="non-tensor argument value True .* got False"):
+            pipe({"x": x, "double": False})
+
+
+def test_sizes_the_model_guards_are_named() -> None:
+    from traced_models import llama, tokens
+
+    batch, target = tokens(length=12)
+    with Pipe(llama(layers=2), chunks=2, sample=batch, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        one_token, labels = tokens(length=1, pad=0)
+        with pytest.raises(StageError, match=r"Guard failed: input_ids.size\(\)\[1\] != 1"):
+            pipe.step(one_token, labels)
