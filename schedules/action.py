@@ -173,6 +173,21 @@ class Schedule:
     def __str__(self) -> str:
         return format_order(self)
 
+    @classmethod
+    def parse(cls, text: str, name: str = "custom") -> Schedule:
+        """Read a timetable printed by ``str(schedule)``: ``Schedule.parse(str(s), s.name) == s``.
+
+        The format, and the CSV form, are described in ``schedules.text``; the result is
+        checked for form only: ``validate`` it before running it.
+
+        Raises:
+            ScheduleError: the text is not a timetable (the message names the line).
+        """
+        # schedules.text builds on this module, so it is imported when first needed.
+        from schedules.text import parse_schedule
+
+        return parse_schedule(text, name)
+
 
 def _check_actions_are_actions(order: tuple[tuple[Any, ...], ...]) -> None:
     for stage, actions in enumerate(order):
