@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from partitioners import uniform
-from schedules import Schedule, get_schedule, schedule_info, validate
+from schedules import (Schedule, ScheduleError, get_schedule, normalize_name, parse_csv,
+                       parse_schedule, read_schedule, schedule_info, schedule_names, validate)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -59,30 +62,91 @@ def check_positive(name: str, value: Any) -> int:
     return value
 
 
+ScheduleArgument = str | os.PathLike[str] | Schedule
+
+
+def schedule_argument(schedule: ScheduleArgument) -> str | Schedule:
+    """A registered name (or ``"auto"``) as it is; a Schedule; else a timetable read from the
+    text (``str(schedule)``'s form, or CSV) or from the file it names (CSV by a ``.csv`` suffix).
+
+    Raises:
+        TypeError: neither a string, a path nor a Schedule.
+        FileNotFoundError: a path (a ``.txt``/``.csv`` name) to no file.
+        ScheduleError: text that is not a timetable, naming the line.
+        ValueError: a string that is none of these, listing the names.
+    """
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, os.PathLike):
+        return read_schedule(schedule)
+    if not isinstance(schedule, str):
+        raise TypeError(
+            f"schedule must be a name or a Schedule, got {type(schedule).__name__} (a "
+            f"timetable as text, or a path to a file holding one, works too)"
+        )
+    if "\n" in schedule or schedule.lstrip().startswith("stage"):
+        return _timetable(schedule)
+    if schedule == "auto" or normalize_name(schedule) in schedule_names():
+        return schedule
+    if os.path.isfile(schedule):
+        return read_schedule(schedule)
+    if schedule.lower().endswith((".txt", ".csv")) or os.sep in schedule:
+        raise FileNotFoundError(f"schedule={schedule!r} names a timetable file, but there is "
+                                f"no such file")
+    raise ValueError(
+        f"unknown schedule {schedule!r}; expected one of: {', '.join(schedule_names())}; "
+        f"or a timetable as text (one line per stage: 'stage 0: F0 F1 B0 B1'), or a path to "
+        f"a file holding one"
+    )
+
+
+@lru_cache(maxsize=8)
+def _timetable(text: str) -> Schedule:
+    # Cached: a Pipe asks for the stage count, the chunks and the schedule in turn.
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first[:1].isdigit() or first.startswith(","):  # torchtitan's CSV: '0F0,0F1,...'
+        return parse_csv(text)
+    return parse_schedule(text)
+
+
 def build_schedule(
-    schedule: str | Schedule, stages: int, microbatches: int, options: dict[str, Any]
+    schedule: ScheduleArgument, stages: int, microbatches: int, options: dict[str, Any]
 ) -> Schedule:
-    """The Schedule to run: built by name, or the given one checked against the counts."""
+    """The Schedule to run: built by name, or the given one (or text, or file) checked
+    against the counts and validated.
+
+    Raises:
+        ValueError: counts that differ from the Pipe's.
+        ScheduleError: a timetable that cannot run (missing, misplaced or deadlocked
+            actions), or one of forwards alone (a Pipe trains).
+    """
+    given, schedule = schedule, schedule_argument(schedule)
     if isinstance(schedule, Schedule):
         if schedule.stages != stages or schedule.microbatches != microbatches:
+            said, fix = (("the Schedule was built for", "build it with those counts")
+                         if isinstance(given, Schedule) else
+                         ("the timetable has", f"write one with those counts, or pass "
+                                               f"chunks={schedule.microbatches}"))
             raise ValueError(
-                f"the Schedule was built for stages={schedule.stages}, "
-                f"microbatches={schedule.microbatches}, but this Pipe has stages={stages}, "
-                f"chunks={microbatches}; build it with those counts"
+                f"{said} stages={schedule.stages}, microbatches={schedule.microbatches}, "
+                f"but this Pipe has stages={stages}, chunks={microbatches}; {fix}"
+            )
+        if schedule.forward_only:
+            raise ScheduleError(
+                f"the {schedule.name} timetable runs forwards only; a Pipe trains with it "
+                f"(pipe(x) derives its own forwards): give every forward its backward, B or "
+                f"I and W"
             )
         validate(schedule)  # a missing or deadlocked action raises here, not mid-step
         return schedule
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
     return get_schedule(schedule, stages, microbatches, **options)
 
 
-def chunks_per_stage(schedule: str | Schedule, options: dict[str, Any]) -> int:
+def chunks_per_stage(schedule: ScheduleArgument, options: dict[str, Any]) -> int:
     """How many model chunks each stage holds under ``schedule`` (a registry fact)."""
+    schedule = schedule_argument(schedule)
     if isinstance(schedule, Schedule):
         return schedule.chunks // schedule.stages
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
     return schedule_info(schedule).chunks(**options)
 
 
@@ -123,7 +187,7 @@ def default_devices(stages: int) -> list[torch.device]:
 
 
 def count_stages(
-    schedule: str | Schedule,
+    schedule: ScheduleArgument,
     devices: Sequence[Any] | None,
     balance: Any,
     stages: int | None,
@@ -136,8 +200,10 @@ def count_stages(
         ValueError: the arguments disagree, or nothing tells the count (and no GPU does).
     """
     candidates: dict[str, int] = {}
+    given, schedule = schedule, schedule_argument(schedule)
     if isinstance(schedule, Schedule):
-        candidates["schedule.stages"] = schedule.stages
+        key = "schedule.stages" if isinstance(given, Schedule) else "the timetable's stages"
+        candidates[key] = schedule.stages
     if group is not None:
         import torch.distributed as dist
 
