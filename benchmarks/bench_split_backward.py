@@ -12,7 +12,7 @@ the stage of the issue's table; (b) ``resnet``, two torchvision-style bottleneck
 (1x1, 3x3, 1x1 convolutions with BatchNorm and in-place ReLU) on 8 x 256 x 14 x 14;
 (c) ``linear``, 8 x Linear(16) on 64 rows, where engine calls dominate. Each
 round runs, in turn, a forward then B (``torch.autograd.backward``); a forward
-then our I (``partitioners.split_backward.backward_input``) and W; a forward then
+then our I (``split_backward.backward_input``) and W; a forward then
 torch's ``stage_backward_input`` and ``stage_backward_weight``. Forwards are not
 timed; the figures are medians over the rounds. The bars: (I + W) / B <= 1.10 on
 gpt and resnet, <= 1.5 on linear, and ours no slower than torch's on each. Exits 1
@@ -127,7 +127,7 @@ def _synchronize() -> None:
 def one_round(model: nn.Module, x: torch.Tensor, first: int) -> dict[str, float]:
     """Seconds of B, our I and W, torch's I and W, each after a fresh forward; the three
     take turns going first (``first``), so that none always follows the same one."""
-    from partitioners.split_backward import backward_input
+    from split_backward import backward_input
 
     parameters = [p for p in model.parameters() if p.requires_grad]
     times: dict[str, float] = {}

@@ -32,7 +32,7 @@ class LayerCost:
             the gradient with respect to the layer's input only, graph kept. 0 when
             the input needs no gradient (the first layer, for a sample without grad).
         backward_weight: seconds of the weight-gradient half (W), from what I kept
-            (``partitioners.split_backward``). 0 for a layer without parameters.
+            (``split_backward``). 0 for a layer without parameters.
         weight_bytes: bytes the layer keeps from its I to its W (the saved tensors
             its weight gradients read and the gradients I captured for them); None
             where its whole graph stays until W (a node without a weight rule, or no

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioners.split_backward import backward_input
+from split_backward import backward_input
 from partitioners.tensors import fresh_inputs, storage_bytes
 
 
@@ -65,7 +65,7 @@ def run_split(
 ) -> tuple[float, float]:
     """A forward (untimed), then the split backward as the runtime runs it: (I seconds, W seconds).
 
-    I is ``partitioners.split_backward.backward_input`` (the input gradients, and
+    I is ``split_backward.backward_input`` (the input gradients, and
     what W needs); W is its ``run`` (the weight gradients only, accumulated into
     ``.grad``; the caller clears them). Either is 0 where there is nothing to do.
     """

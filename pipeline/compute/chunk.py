@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partitioners.split_backward import WeightGradients, backward_input
+from split_backward import WeightGradients, backward_input
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.compute.recompute import chunk_seed, layer_seed, seeded
 from pipeline.errors import StageError
@@ -339,7 +339,7 @@ class ChunkRunner:
     def backward_input(self, microbatch: int, grads: Grads | None) -> Grads:
         """The I half of a split backward: input gradients now, weight gradients left for W.
 
-        See ``partitioners.split_backward``: I runs only the input side of the graph
+        See ``split_backward``: I runs only the input side of the graph
         and keeps, at the nodes where parameters' paths leave it, what W needs.
         """
         stash = self._ready_for_backward(microbatch)

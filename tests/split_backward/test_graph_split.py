@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from partitioners.split_backward import backward_input
+from split_backward.graph_split import backward_input
 
 
 @pytest.fixture(autouse=True)

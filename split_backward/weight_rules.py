@@ -17,7 +17,7 @@ is what the weight gradients read, not every activation of the chunk.
 Every node with a rule has one output (the gradient entering it is the one the
 engine captures at its slot 0). A rule answers only for the outputs asked for, unreduced where an input was
 broadcast (the engine reduces it, as inside a backward). A node without a rule
-goes through the engine (``partitioners.split_backward``).
+goes through the engine (``split_backward.graph_split``).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ RULES: dict[str, Rule] = {
 # Norms whose weight gradients are reductions their input gradient computes anyway
 # (sum(g) and sum(g * x_hat) over the normalised dimensions): one call of the backward
 # kernel gives all three at about the price of the input gradient alone. I computes their
-# weight gradients with the input's (``partitioners.split_backward``): deferring them
+# weight gradients with the input's (``split_backward.graph_split``): deferring them
 # would run the kernel a second time in W and keep the gradient entering the norm (a
 # whole activation) alive until then; which also stops the engine from adding the other
 # branch of a residual into that gradient in place (it is held), so I would allocate

@@ -1,10 +1,10 @@
-"""The split backward: I computes input gradients only, W weight gradients only.
+"""The split backward by the graph: I computes input gradients only, W weight gradients only.
 
-``backward_input`` reads the graph (``partitioners.autograd_graph``) and runs one
+``backward_input`` reads the graph (``split_backward.autograd_graph``) and runs one
 engine call for the input gradients: the engine then computes nothing on the
 weight side. The same call captures what W needs: for a junction (a node on the
 input chain with edges to the weight side) that has a rule
-(``partitioners.weight_rules``), the gradient entering it, read by a node
+(``split_backward.weight_rules``), the gradient entering it, read by a node
 pre-hook; a junction without one is hooked, to record the gradient entering it
 and whatever it computed for its exits itself (a custom ``autograd.Function`` or
 a compiled region computes them anyway, so W never runs such a node twice). A
@@ -44,8 +44,8 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
-from partitioners.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
-from partitioners.weight_rules import Deferred, fused, prepare
+from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
+from split_backward.weight_rules import Deferred, fused, prepare
 
 Grads = tuple[torch.Tensor | None, ...]
 
