@@ -6,7 +6,6 @@ import math
 import pickle
 import random
 import re
-import time
 from fractions import Fraction
 
 import pytest
@@ -281,19 +280,6 @@ def test_a_profiles_loss_is_charged_to_the_last_stage() -> None:
 def test_bad_last_stage_extra(options: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         balance([LayerCost(1.0, 1.0), LayerCost(1.0, 1.0)], 2, **options)
-
-
-def test_20000_weights_into_64_stages_take_under_a_second() -> None:
-    rng = random.Random(3)
-    weights = [rng.random() for _ in range(20_000)]
-    start = time.perf_counter()
-    sizes = balance(weights, 64)
-    elapsed = time.perf_counter() - start
-    check_sizes(sizes, 20_000, 64)
-    assert elapsed < 1.0
-    # Optimal means no stage can go below the mean, and the slowest is the bottleneck found.
-    slowest = max(stage_costs(weights, sizes))
-    assert slowest >= sum(Fraction(w) for w in weights) / 64
 
 
 @pytest.mark.parametrize(
