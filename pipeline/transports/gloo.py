@@ -200,7 +200,8 @@ class GlooTransport(KeyedTransport):
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:
         header = self._headers.get((metas, kind))
         if header is None:
-            header = encode_header(metas, kind).to(self.device)
+            with torch.inference_mode(False):  # kept for later calls (see BufferPool.take)
+                header = encode_header(metas, kind).to(self.device)
             self._headers[(metas, kind)] = header
         return header
 

@@ -257,7 +257,10 @@ class BufferPool:
             if _unshared(pool[index]):
                 self._next[nbytes] = index + 1
                 return pool[index].detach()
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # Never an inference tensor, though the first call may run under inference_mode:
+        # a later step writes into the buffer, which torch refuses for one.
+        with torch.inference_mode(False):
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocations += 1
         pool.append(buffer)
         self._next[nbytes] = 0

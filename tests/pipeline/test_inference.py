@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import inference_workers
+from dist_harness import run_ranks
 from models import MODELS, batch, build, grads, loss_for, max_difference, reference
 from pipeline import Pipe
 
@@ -156,3 +158,33 @@ def test_properties() -> None:
 class Fork(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tanh(x), x * 2
+
+
+INFERENCE_MODE_CASES = (("1f1b", "gloo"), ("zb-h1", "ordered"))
+INFERENCE_MODE_CALLS = ["inference_mode", "step after it", "an inference tensor",
+                        "inference_mode again"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_inference_mode_then_training_in_one_process(schedule: str) -> None:
+    """pipe(x) under torch.inference_mode() is the model's output, and leaves nothing
+    behind that a training step after it would trip on."""
+    model = inference_workers.small_model()
+    plain = copy.deepcopy(model)
+    pipe = Pipe(model, 3, stages=2, schedule=schedule, loss_fn=nn.MSELoss())
+    rows = inference_workers.inference_then_training(pipe, model, plain)
+    assert [call for call, _ in rows] == INFERENCE_MODE_CALLS
+    assert all(difference < 1e-12 for _, difference in rows), rows
+
+
+def test_inference_mode_then_training_on_two_ranks() -> None:
+    """Under each transport: the pooled message buffers a call under inference_mode
+    allocates are no inference tensors (a later step writes into them), and an inference
+    tensor crosses as any other."""
+    for rows in run_ranks(inference_workers.under_inference_mode, 2, INFERENCE_MODE_CASES,
+                          timeout=240):
+        assert [case for case, _, _ in rows] == [
+            f"{schedule} {transport}" for schedule, transport in INFERENCE_MODE_CASES
+            for _ in INFERENCE_MODE_CALLS]
+        assert [call for _, call, _ in rows] == INFERENCE_MODE_CALLS * len(INFERENCE_MODE_CASES)
+        assert all(difference < 1e-12 for _, _, difference in rows), rows
