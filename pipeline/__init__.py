@@ -1,6 +1,6 @@
 """Run pipeline schedules on real tensors: threads in one process, or one stage per rank."""
 
-from pipeline.checkpoints import load_checkpoint, load_into_model, save_checkpoint
+from pipeline.checkpoints import CheckpointError, load_checkpoint, load_into_model, save_checkpoint
 from pipeline.compute.activations import MemoryReport
 from pipeline.errors import PeerError, PipelineAborted, StageError
 from pipeline.group.distributed import Distributed
@@ -9,6 +9,7 @@ from pipeline.pipe import Pipe
 from pipeline.saving import gather_state_dict, save_state_dict
 
 __all__ = [
+    "CheckpointError",
     "Distributed",
     "MemoryReport",
     "PeerError",

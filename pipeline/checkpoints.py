@@ -8,13 +8,27 @@ own names, so that it loads into any cut of the same model: written by 2 ranks, 
 - ``model.<name>``: every parameter and buffer under the ``nn.Sequential``'s names
   (``"model.4.weight"``), written by the rank that runs the layer; no rank gathers the model.
 - ``optim.state.<name>.<key>`` and ``optim.param_groups.<name>.<key>``: the optimizer's
-  state and hyperparameters per parameter name (DCP's flattened optimizer state dict,
-  ``StateDictOptions(flatten_optimizer_state_dict=True)``), never by the local
-  parameter order that ``optimizer.state_dict()`` uses.
+  state and hyperparameters under each of the parameter's names, never by the local
+  parameter order that ``optimizer.state_dict()`` uses. A parameter without state (a fresh
+  optimizer) has none saved, and loads without state.
 - ``step``: the training step given to ``save_checkpoint``.
 - ``rng.cpu.rank<r>``: torch's default CPU generator state of rank r (0 in one process),
   as a uint8 tensor. On loading, rank r takes rank r's state when the checkpoint has
   one, else rank 0's (ranks draw one step seed per step, so ranks seeded alike stay alike).
+- ``.checkpoint.json``: the index (DCP's metadata as checked JSON) and the size and
+  SHA-256 of every file written, ``.metadata`` included (``pipeline.checkpointing.manifest``).
+
+The trust model. Saving only reads (no optimizer step, gradients untouched:
+``pipeline.checkpointing.state``). Loading is strict and checks before it reads: the
+manifest's own digest, then ``.metadata``'s and each data file's that this rank reads;
+missing or unexpected keys, shapes, the optimizer's kind, and the values of tied keys
+are errors naming them, on every rank. No byte of a checkpoint or of a peer is unpickled:
+``.metadata`` (DCP's pickle, kept for DCP's own tools) is never read back, bytes entries
+are read with ``torch.load(weights_only=True)``, and DCP runs rank by rank with its plans
+and write results crossing as checked plain data (``pipeline.checkpointing.steps``), so that no
+object collective runs and every wait is bounded by the Pipe's ``timeout`` (PeerError).
+torch's errors reach the caller as a ``CheckpointError`` (a ``ValueError``) whose message
+is their first line.
 
 Writes are atomic at the directory level: every rank writes into ``.<name>.partial``
 beside ``path`` (marked by an ``.incomplete`` file), and after a barrier the first rank
@@ -27,7 +41,6 @@ Not saved: learning-rate schedulers, gradient scalers, CUDA generators and data-
 positions (save them beside the checkpoint if needed). The optimizer's hyperparameters
 (``lr``, ``betas``...) are saved and restored with its state.
 """
-
 from __future__ import annotations
 
 import os
@@ -40,22 +53,24 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from pipeline.checkpoint_format import (
-    MANIFEST_FILE,
-    METADATA_FILE,
+from pipeline.checkpointing.format import (
     CheckpointError,
-    digest,
-    digests_from_plain,
     plan_from_plain,
     plan_plain,
-    read_manifest,
     results_from_plain,
     results_plain,
+)
+from pipeline.checkpointing.steps import RankLoad, RankSave
+from pipeline.checkpointing.manifest import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    digest,
+    digests_from_plain,
+    read_manifest,
     verify,
     write_manifest,
 )
-from pipeline.checkpoint_io import RankLoad, RankSave
-from pipeline.checkpoint_state import (
+from pipeline.checkpointing.state import (
     Layout,
     Reading,
     apply,

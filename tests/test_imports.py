@@ -78,7 +78,8 @@ def test_packages_point_one_way() -> None:
     assert wrong == []
 
 
-ROOMS = ("setup", "predict", "runtime", "group", "transports", "compute", "payloads", "errors")
+ROOMS = ("checkpointing", "setup", "predict", "runtime", "group", "transports", "compute",
+         "payloads", "errors")
 FACADE = len(ROOMS)  # pipeline/__init__.py, pipe.py, model_like.py, saving.py, checkpoints.py
 
 

@@ -4,7 +4,7 @@
 collectives (pickles from peers) and read ``.metadata`` with ``pickle.load``. Their
 planners and file storage are public extension points, so this module runs the same
 steps for one rank: the caller carries the plans and write results between ranks as
-checked plain data (``pipeline.checkpoint_format``), under the Pipe's timeout, and hands
+checked plain data (``pipeline.checkpointing.format``), under the Pipe's timeout, and hands
 the load the index it read from the manifest. Every rank computes the same global plan
 from the same gathered plans (DCP's planner is deterministic), so nothing is scattered.
 

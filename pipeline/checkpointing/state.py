@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from pipeline.checkpoint_format import CheckpointError
+from pipeline.checkpointing.format import CheckpointError
 
 STEP_KEY = "step"
 RNG_PREFIX = "rng.cpu.rank"
@@ -180,7 +180,8 @@ def plan_reading(layout: Layout, optimizer: torch.optim.Optimizer | None, metada
     for name in sorted(like):
         value, entry = like[name], entries[model[name]]
         if isinstance(value, torch.Tensor) != isinstance(entry, TensorStorageMetadata) or (
-                isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != tuple(value.shape)):
+                isinstance(entry, TensorStorageMetadata)
+                and tuple(entry.size) != tuple(value.shape)):
             saved = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else "bytes"
             given = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             shapes.append(f"model.{name}: saved {saved}, this model {given}")
@@ -222,7 +223,8 @@ def _plan_optimizer(layout: Layout, optimizer: torch.optim.Optimizer,
                 raise CheckpointError(
                     f"the checkpoint at {reading.directory} was saved with another kind of "
                     f"optimizer than this {type(optimizer).__name__}: for {name}, keys missing "
-                    f"{sorted(live_keys - saved_keys)}, unexpected {sorted(saved_keys - live_keys)}")
+                    f"{sorted(live_keys - saved_keys)}, unexpected "
+                    f"{sorted(saved_keys - live_keys)}")
             for key in (*groups[name].values(), *saved_state.values()):
                 reading.flat[key] = _placeholder(entries[key], parameter)
             reading.optimizer.append((parameter, groups[name], saved_state))
