@@ -5,14 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 
 def _rows(value: Any, what: str) -> int | None:
-    """Rows along dim 0 shared by every tensor of ``value``; None if one has no dim 0."""
-    tensors = list(value) if isinstance(value, (tuple, list)) else [value]
+    """Rows along dim 0 shared by every tensor of ``value`` (a tensor, or a tuple, list or
+    dict of them; other leaves are ignored); None if one has no dim 0."""
+    tensors = [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        return None
     rows: set[int] = set()
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        if t.dim() == 0:
             return None
         rows.add(t.shape[0])
     if len(rows) != 1:
@@ -21,9 +25,8 @@ def _rows(value: Any, what: str) -> int | None:
 
 
 def _head(value: Any, rows: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value[:rows]
-    return type(value)(_head(item, rows) for item in value)
+    return pytree.tree_map(lambda leaf: leaf[:rows] if isinstance(leaf, torch.Tensor) else leaf,
+                           value)
 
 
 def microbatch_rows(batch: int, microbatch_size: int | None, microbatches: int | None) -> int:

@@ -9,6 +9,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch import nn
 from tqdm import tqdm
 
@@ -64,7 +65,8 @@ def profile(
 
     Args:
         model: the model to measure, an ``nn.Sequential`` of at least one layer.
-        sample: input, a tensor or a tuple of tensors: one micro-batch, or the whole
+        sample: input, a tensor, or a tuple or dict of tensors (the first layer's
+            argument; for ``units.cut_model``'s units, the batch as the model takes it): one micro-batch, or the whole
             batch with ``microbatch_size`` or ``microbatches``.
         device: where to run, e.g. ``"cpu"`` or ``"cuda:0"``: the stage's device.
         warmup: untimed runs per layer before the timed ones, >= 0.
@@ -90,7 +92,7 @@ def profile(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Sequential``, or ``sample`` is not a
-            tensor or a tuple of tensors.
+            tensor, or a tuple or dict of tensors.
         ValueError: an empty model, ``warmup``/``repeat``/``microbatch_size``/
             ``microbatches`` out of range, both of the last two, ``loss_fn``
             without ``target`` or the reverse, or a device this machine does not
@@ -192,10 +194,14 @@ def _check_arguments(model: Any, sample: Any, warmup: int, repeat: int) -> None:
         raise TypeError(f"expected an nn.Sequential, got {type(model).__name__}")
     if len(model) == 0:
         raise ValueError("expected an nn.Sequential with at least one layer, got an empty one")
-    items = sample if isinstance(sample, (tuple, list)) else (sample,)
-    if not items or not all(isinstance(item, torch.Tensor) for item in items):
-        given = ", ".join(type(item).__name__ for item in items) or "an empty tuple"
-        raise TypeError(f"expected the sample to be a tensor or a tuple of tensors, got {given}")
+    leaves = pytree.tree_leaves(sample)
+    if not leaves or not any(isinstance(leaf, torch.Tensor) for leaf in leaves) or any(
+            not isinstance(leaf, (torch.Tensor, bool, int, float, str, type(None)))
+            for leaf in leaves):
+        inside = ", ".join(sorted({type(leaf).__name__ for leaf in leaves})) or "nothing"
+        raise TypeError(f"expected the sample to be a tensor, or a tuple or dict of tensors "
+                        f"(a traced model's batch as it takes it), got "
+                        f"{type(sample).__name__} (of {inside})")
     for name, value, least in (("warmup", warmup, 0), ("repeat", repeat, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")

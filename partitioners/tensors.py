@@ -5,24 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch import nn
 
 
 def _map(value: Any, function: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return function(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(item, function) for item in value)
-    return value
+    return pytree.tree_map(lambda leaf: function(leaf) if isinstance(leaf, torch.Tensor)
+                           else leaf, value)
 
 
 def tensors_of(value: Any) -> list[torch.Tensor]:
-    """The tensors of ``value`` (a tensor, or nested tuples and lists), in order."""
+    """The tensors of ``value`` (a tensor, or any pytree: tuples, lists, dicts, a model's
+    output class), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (tuple, list)):
-        return [tensor for item in value for tensor in tensors_of(item)]
-    return []
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 def to_device(value: Any, device: torch.device) -> Any:

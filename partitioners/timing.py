@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from split_backward import backward_input
-from partitioners.tensors import fresh_inputs, storage_bytes
+from partitioners.tensors import fresh_inputs, storage_bytes, tensors_of
 
 
 def synchronize(device: torch.device) -> None:
@@ -31,8 +31,7 @@ def synchronize(device: torch.device) -> None:
 
 def _roots(output: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The output tensors that need a gradient, and a gradient of ones for each."""
-    items = output if isinstance(output, (tuple, list)) else (output,)
-    roots = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+    roots = [t for t in tensors_of(output) if t.requires_grad]
     return roots, [torch.ones_like(t) for t in roots]
 
 

@@ -234,7 +234,7 @@ def test_errors_say_what_was_expected() -> None:
         profile(nn.Sequential(), torch.randn(1, 2))
     with pytest.raises(TypeError, match="expected an nn.Sequential, got Linear"):
         profile(nn.Linear(2, 2), torch.randn(1, 2))  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="tensor or a tuple of tensors, got list"):
+    with pytest.raises(TypeError, match=r"a tensor, or a tuple or dict of tensors .*got list \(of float\)"):
         profile(nn.Sequential(nn.ReLU()), [[1.0]])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="repeat must be an int >= 1, got 0"):
         profile(nn.Sequential(nn.ReLU()), torch.randn(1), repeat=0)
