@@ -12,6 +12,7 @@ from torch import nn
 
 from schedules import Schedule, Timeline
 from schedules.checkpointing import CheckpointMode, check_mode
+from split_backward import SplitMode
 
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkOptions
@@ -24,6 +25,7 @@ from pipeline.group.distributed import Distributed, resolve_distributed
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.model_like import ModelLike
 from pipeline.runtime.build import build_runner
+from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.balancing import resolve_balance
 from pipeline.setup.coordination import choose_plan, replicas_of
@@ -136,6 +138,7 @@ class Pipe(ModelLike):
         reshard_after_forward: bool = False,
         tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None,
         units: Sequence[str] | None = None,
+        split_backward: SplitMode = "auto",
     ) -> None:
         settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
                                        init_fn=init_fn, transport=transport,
@@ -152,6 +155,7 @@ class Pipe(ModelLike):
         self.model, self._traced = sequential_of(self.source_model, sample, units)
         self.timeout = timeout
         self._closed = False
+        self._one_call = OneCall(timeout)  # step, pipe(x), predict and close: one at a time
         self._distributed = settings
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
@@ -181,6 +185,7 @@ class Pipe(ModelLike):
             self._loss_rule.function if self._loss_rule is not None else None,
             bool(deferred_batch_norm),
             bool(memory_report),
+            split_backward,
         )
         self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
         self._balance_request = balance
@@ -323,7 +328,9 @@ class Pipe(ModelLike):
 
         Args:
             x: the batch (a tensor, a tuple of tensors, or a list of pre-split
-                micro-batches). With a group, only the rank holding the first chunk reads it.
+                micro-batches; for a traced model, the batch as the model takes it: a
+                tensor, a tuple of positional arguments, or a dict of keyword arguments).
+                With a group, only the rank holding the first chunk reads it.
             target: the targets, split the same way; read where the last chunk runs.
             scaler: a ``torch.amp.GradScaler``: the loss is scaled by its scale before the
                 backward, as ``scaler.scale(loss).backward()`` would; then call
@@ -338,6 +345,10 @@ class Pipe(ModelLike):
             ValueError: no loss_fn, or a batch with fewer rows than micro-batches.
             StageError: a layer failed; the message names the stage, layer and micro-batch.
         """
+        with self._one_call("pipe.step()"):
+            return self._step(x, target, scaler)
+
+    def _step(self, x: Any, target: Any, scaler: Any) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
         if self._traced is not None and x is not None:
@@ -398,6 +409,11 @@ class Pipe(ModelLike):
             ValueError: no loss_fn, or a batch ``step`` would reject.
             PeerError: a rank failed or did not answer within the timeout.
         """
+        with self._one_call("pipe.predict()"):
+            return self._predict(x, target, optimizer)
+
+    def _predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None
+                 ) -> Timeline:
         from pipeline.predict.step import predict_step
 
         if self.loss_fn is None:
@@ -415,6 +431,10 @@ class Pipe(ModelLike):
         In one process, with grad enabled, the output stays differentiable, so
         ``loss_fn(pipe(x), y).backward()`` also trains.
         """
+        with self._one_call("pipe(x)"):
+            return self._forward(x)
+
+    def _forward(self, x: Any) -> Any:
         if x is None and self._ranks.size == 1:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
         if self._traced is not None and x is not None:
@@ -441,6 +461,10 @@ class Pipe(ModelLike):
         returns on rank 0 afterwards. The Pipe is not usable afterwards.
         ``with Pipe(...) as pipe:`` calls it on leaving the block.
         """
+        with self._one_call("pipe.close()"):
+            self._close()
+
+    def _close(self) -> None:
         if self._runner is not None:
             self._release.detach()
             try:
