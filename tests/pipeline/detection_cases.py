@@ -132,10 +132,18 @@ def writes_model() -> nn.Sequential:
                          _linear()).double()
 
 
+def writes_x_model() -> nn.Sequential:
+    """Row 6, the caller's x alone: chunk 0 fixes NaNs in it, nothing else writes."""
+    torch.manual_seed(0)
+    return nn.Sequential(FixNaN(), _linear(), nn.Tanh(), _linear(), _linear(), _linear()).double()
+
+
 MODELS: dict[str, Callable[[], nn.Sequential]] = {
     "draws": draws_model, "generator": generator_model, "writes": writes_model,
+    "writes_x": writes_x_model,
 }
-BALANCES = {"draws": [3, 3], "generator": [3, 3], "writes": [4, 2]}  # HalveRows first in chunk 1
+BALANCES = {"draws": [3, 3], "generator": [3, 3], "writes": [4, 2],  # HalveRows first in chunk 1
+            "writes_x": [3, 3]}
 
 
 def batch(case: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +152,7 @@ def batch(case: str) -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.randn(ROWS, WIDTH, generator=generator, dtype=torch.float64)
     if case == "draws":
         x[:4, 0] = -1.0  # micro-batch 0: no row over NoisyRows(0.5)'s threshold
-    if case == "writes":
+    if case.startswith("writes"):
         x[5, 2] = x[10, 4] = float("nan")  # micro-batches 1 and 3
     return x, y
 
@@ -164,7 +172,7 @@ def reference(case: str, before: nn.Sequential, pipelined: nn.Sequential,
     a copy of ``x`` (the plain model writes its input).
     """
     model = copy.deepcopy(before)
-    if case == "writes":
+    if case.startswith("writes"):
         nn.MSELoss()(model(x.clone()), y).backward()
     else:
         for mine, theirs in zip(model, pipelined):
