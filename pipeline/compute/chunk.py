@@ -175,7 +175,8 @@ class ChunkRunner:
         return value
 
     def _call_seeded(self, microbatch: int, value: Any) -> Any:
-        """The layers under the chunk's seed for ``microbatch``; note if one without its own drew."""
+        """The layers under the chunk's seed for ``microbatch``; notes whether one without
+        a seed of its own drew."""
         watched = False in self._draws  # else every layer runs under its own seed
         seed = chunk_seed(self._seed_base, self.spec.first_layer, microbatch)
         with seeded(self.device, seed, watch=watched) as probe:
