@@ -61,3 +61,38 @@ def state_on_ranks(rank: int, world: int) -> Any:
     fresh.load_state_dict(state, strict=True)
     loaded = all(torch.equal(fresh.state_dict()[key], state[key]) for key in expected)
     return local_keys, sorted(state), worst, loaded
+
+
+def mesh_exact(rank: int, world: int, combinations: list[tuple[str, str, str]]
+               ) -> list[tuple[Any, ...]]:
+    """The Llama on a (pp=2, dp=2) mesh, each replica on its half of the batch, against the
+    plain model on the whole batch: per (data parallelism, schedule, checkpoint mode), the
+    loss error, the worst gradient error of what this rank holds, and how many it compared."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    base, _, _ = build("llama")
+    from traced_models import tokens
+
+    batch, target = tokens(rows=8)
+    loss_expected, grads_expected = reference(copy.deepcopy(base), batch, target, "llama")
+    replica = mesh.get_local_rank("dp")
+    mine = {key: value[replica * 4:(replica + 1) * 4] for key, value in batch.items()}
+    rows = []
+    for data_parallel, schedule, mode in combinations:
+        model = copy.deepcopy(base)
+        with Pipe(model, chunks=2, schedule=schedule, checkpoint=mode, sample=mine, mesh=mesh,
+                  data_parallel=data_parallel, **loss_options("llama")) as pipe:
+            loss = pipe.step(mine, target[replica * 4:(replica + 1) * 4])
+            local = {id(p) for p in pipe.parameters()}
+            errors = []
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if id(p) not in local or p.is_meta:
+                    continue
+                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                errors.append((grad - grads_expected[name]).abs().max().item())
+        rows.append((data_parallel, schedule, mode, abs(loss.item() - loss_expected),
+                     max(errors), len(errors)))
+    return rows
