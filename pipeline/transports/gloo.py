@@ -61,6 +61,7 @@ from pipeline.transports.wire import (
     HeaderError,
     BufferPool,
     Metas,
+    check_announces,
     check_status,
     decode_header,
     encode_header,
@@ -200,8 +201,10 @@ class GlooTransport(KeyedTransport):
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:
         header = self._headers.get((metas, kind))
         if header is None:
+            written = encode_header(metas, kind)
+            check_announces(written, metas)  # once per distinct header
             with torch.inference_mode(False):  # kept for later calls (see BufferPool.take)
-                header = encode_header(metas, kind).to(self.device)
+                header = written.to(self.device)
             self._headers[(metas, kind)] = header
         return header
 

@@ -39,6 +39,7 @@ from pipeline.transports.wire import (
     MAX_MESSAGE_BYTES,
     BufferPool,
     HeaderError,
+    check_announces,
     check_status,
     decode_header,
     encode_failure,
@@ -88,6 +89,7 @@ class OrderedTransport:
         self._in_flight: list[tuple[CommOp, Any, torch.Tensor]] = []  # posted, not yet waited on
         self._owed: list[CommOp] = []
         self._call = 0  # the stamp of the call under way (wire.call_stamp)
+        self._checked: set[tuple[Any, int]] = set()  # (metas, kind) of headers checked
 
     def begin_step(self, plan: CommPlan, stage: int, call: int = 0) -> None:
         self._call = call  # stamped on every header sent, checked on every one received
@@ -104,7 +106,11 @@ class OrderedTransport:
             kind, tensors = to_wire(outgoing[op.key])
             tensors = [t.to(self.device).contiguous() for t in tensors]
             metas = tuple((t.dtype, tuple(t.shape)) for t in tensors)
-            header = encode_header(metas, kind, self._call).to(self.device)
+            header = encode_header(metas, kind, self._call)
+            if (metas, kind) not in self._checked:  # once per distinct header
+                check_announces(header, metas)
+                self._checked.add((metas, kind))
+            header = header.to(self.device)
             message = torch.empty(message_size(metas), dtype=torch.uint8, device=self.device)
             pack(header, tensors, message)
             outbound += [(op, header, True), (op, message, False)]

@@ -15,7 +15,9 @@ check them (``check_status``, ``decode_header``) through these functions and nev
 touch a slot themselves.
 
 Every field read from a header is checked against its bounds (``HeaderError``):
-a corrupt or hostile header must not allocate terabytes or read past its message.
+a corrupt or hostile header must not allocate terabytes or read past its message. A
+header written is checked too (``check_announces``): a message larger than its header
+announces would abort its receiver inside gloo, where no check of the receiver's runs.
 
 Every message says which call of its Pipe sent it (``stamp_call``): the n-th call
 (``step``, ``pipe(x)``) of the sender and whether it trains. A receiver in another
@@ -122,6 +124,25 @@ def decode_header(header: torch.Tensor, limit: int = MAX_MESSAGE_BYTES) -> tuple
     if size > limit:
         raise HeaderError(f"the header announces {size} bytes, more than the limit of {limit}")
     return kind, tuple(metas)
+
+
+def check_announces(header: torch.Tensor, metas: Metas) -> None:
+    """Refuse a (CPU) header that announces another size than the message of ``metas``
+    it heads, before gloo sends either: the receiver posts the size a header announces,
+    and gloo aborts the receiving process (in its own I/O thread, before a byte reaches
+    any check of ours) when more arrives than was posted; when less arrives, the rest of
+    the buffer is stale. A receiver cannot guard against this: the sender must.
+
+    Raises:
+        HeaderError: the sizes differ (a header written wrong, never a peer's fault).
+    """
+    _, announced = decode_header(header)
+    if message_size(announced) != message_size(metas):
+        raise HeaderError(
+            f"refused to send a message of {message_size(metas)} bytes whose header announces "
+            f"{message_size(announced)} (tensors {[tuple(shape) for _, shape in metas]}, "
+            f"announced {[tuple(shape) for _, shape in announced]}): its receiver would post "
+            f"the announced size, and gloo aborts a process that receives more")
 
 
 def call_stamp(count: int, training: bool) -> int:

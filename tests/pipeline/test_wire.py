@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import wire_workers
+from dist_harness import run_ranks
 from pipeline.errors import PeerError
 from pipeline.payloads.tree import from_wire, to_wire
 from pipeline.transports.wire import (
@@ -23,6 +25,7 @@ from pipeline.transports.wire import (
     HeaderError,
     BufferPool,
     call_stamp,
+    check_announces,
     check_status,
     decode_failure,
     decode_header,
@@ -199,3 +202,25 @@ def test_a_failure_message_fills_the_size_expected_and_names_its_origin() -> Non
 def test_a_status_no_sender_writes_is_a_header_error() -> None:
     with pytest.raises(HeaderError, match="status 9"):
         check_status(_header([9, 0, 0, 1]), 0, stage=0, sender=1, receiver=0, statuses=(OK, NEXT))
+
+
+@pytest.mark.parametrize("transport", ["gloo", "ordered"])
+def test_a_message_larger_than_its_header_announces_is_a_peer_error_not_an_abort(
+        transport: str) -> None:
+    """Rank 0's headers understate its messages: it refuses to send them (gloo would abort
+    rank 1, which posts the announced size, on receiving more), and rank 1 gets a
+    PeerError naming rank 0, within the timeout."""
+    (sender, _), (receiver, seconds) = run_ranks(wire_workers.understated_header, 2, transport,
+                                                 timeout=120)
+    assert sender.startswith("HeaderError") and "header announces" in sender, sender
+    assert receiver.startswith("PeerError") and "rank 0 failed" in receiver, receiver
+    assert seconds < 10, (receiver, seconds)
+
+
+def test_a_header_that_announces_another_size_is_refused_before_sending() -> None:
+    metas = ((torch.float64, (8, 6)),)
+    check_announces(encode_header(metas, TENSOR), metas)
+    for announced in (((torch.float64, (7, 6)),), ((torch.float64, (9, 6)),),
+                      ((torch.float32, (8, 6)),)):
+        with pytest.raises(HeaderError, match="header announces"):
+            check_announces(encode_header(announced, TENSOR), metas)
