@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from partitioners.balance import BY, balance, check_stages, uniform
-from partitioners.loading import UsageError, build_model, make_sample, parse_shapes
+from partitioners.loading import (UsageError, as_sequential, build_model, make_sample,
+                                  parse_shapes)
 from partitioners.units import parse_bytes
 from schedules import schedule_names
 
@@ -38,14 +39,17 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="Profile an nn.Sequential layer by layer and cut it into balanced stages.",
+        description="Profile a model layer by layer (an nn.Sequential's layers, or the units "
+                    "any other module is traced and cut into) and cut it into balanced stages.",
     )
-    parser.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Sequential")
+    parser.add_argument("factory", help="MODULE:FACTORY, a function returning an nn.Module (an "
+                                        "nn.Sequential, or any module torch.export traces)")
     parser.add_argument("--input-shape", required=True, metavar="SHAPE",
                         help="shape of one micro-batch input, e.g. 32,1024; ';' between "
                              "several inputs, e.g. '32,16;32,8'")
     parser.add_argument("--dtype", default="float32",
-                        help="input dtype (float32, int64, ...), or one per input with ';'")
+                        help="input dtype (float32, int64 or long for token ids: zeros, valid "
+                             "indices, ...), or one per input with ';'")
     parser.add_argument("--stages", required=True, type=int, help="number of pipeline stages")
     parser.add_argument("--by", choices=BY, default="time", help="what to balance (default: time)")
     parser.add_argument("--memory-limit", metavar="BYTES",
@@ -110,10 +114,10 @@ def _run(args: argparse.Namespace) -> int:
     from partitioners.profile import profile
 
     _set_threads(args.threads)  # imports torch: after the cheap checks, as it takes a while
-    model = build_model(args.factory)
+    sample = make_sample(shapes, args.dtype)
+    model = as_sequential(build_model(args.factory), sample)
     _usage(check_stages, len(model), args.stages)
     held = _usage(held_microbatches, args.schedule, args.stages, args.chunks)
-    sample = make_sample(shapes, args.dtype)
     device = _device(args.device)
     costs = _usage(profile, model, sample, device=device, warmup=args.warmup, repeat=args.repeat,
                    progress=False if args.no_progress else None)
@@ -198,8 +202,8 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
         raise UsageError("--plot draws one cut; with --schedule auto or --chunks auto, "
                          "use --json and draw the candidates from it")
     _set_threads(args.threads)
-    model = build_model(args.factory)
     sample = make_sample(shapes, args.dtype)
+    model = as_sequential(build_model(args.factory), sample)
     # The hop: --bandwidth as given, else a local copy measured here (what threads pay).
     hop = _usage(calibrated_link, args.device) if bandwidth is None else Link(0.0, bandwidth)
     chosen = _usage(

@@ -70,7 +70,8 @@ def load_factory(spec: str) -> Any:
 
 
 def build_model(spec: str) -> Any:
-    """Call the factory named by ``spec`` and check that it returns a non-empty nn.Sequential.
+    """Call the factory named by ``spec`` and check that it returns an nn.Module (an
+    nn.Sequential: not empty; any other module is cut by ``as_sequential``).
 
     Raises:
         UsageError: the factory cannot be loaded, raises, calls ``sys.exit``, or
@@ -83,15 +84,36 @@ def build_model(spec: str) -> Any:
         model = factory()
     except SystemExit as exit_:  # exit status 0 would otherwise pass for success
         raise UsageError(
-            f"{spec}() called sys.exit({exit_.code!r}); expected it to return an nn.Sequential"
+            f"{spec}() called sys.exit({exit_.code!r}); expected it to return an nn.Module"
         ) from None
     except Exception as error:  # noqa: BLE001 - the user's factory raised
         raise UsageError(f"{spec}() raised {type(error).__name__}: {error}") from None
-    if not isinstance(model, nn.Sequential):
-        raise UsageError(f"{spec}() returned a {type(model).__name__}, expected an nn.Sequential")
-    if len(model) == 0:
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{spec}() returned a {type(model).__name__}, expected an nn.Module "
+                         f"(an nn.Sequential, or any module that torch.export can trace)")
+    if isinstance(model, nn.Sequential) and len(model) == 0:
         raise UsageError(f"{spec}() returned an empty nn.Sequential, expected at least one layer")
     return model
+
+
+def as_sequential(model: Any, sample: Any) -> Any:
+    """``model`` as the pipeline cuts it: an nn.Sequential as it is, any other module traced
+    with ``sample`` and cut into units (``units.cut_model``: the prologue, each block of its
+    main run of blocks, the epilogue).
+
+    Raises:
+        UsageError: the model cannot be traced with this sample; the message says why.
+    """
+    from torch import nn
+
+    if isinstance(model, nn.Sequential):
+        return model
+    from units import TraceError, cut_model
+
+    try:
+        return cut_model(model, sample).sequential
+    except TraceError as error:
+        raise UsageError(str(error)) from None
 
 
 def make_sample(shapes: list[tuple[int, ...]], dtypes: str) -> Any:

@@ -12,7 +12,7 @@ from torch import nn
 
 from partitioners import uniform
 from schedules import (Schedule, ScheduleError, get_schedule, normalize_name, parse_csv,
-                       parse_schedule, read_schedule, schedule_info, schedule_names, validate)
+                       read_schedule, schedule_info, schedule_names, validate)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -24,6 +24,11 @@ def check_model(model: Any) -> nn.Module:
         raise TypeError(
             f"Pipe needs an nn.Module (an nn.Sequential is cut at its layers, any other module "
             f"is traced and cut into units), got {type(model).__name__}"
+        )
+    if isinstance(model, (nn.ModuleList, nn.ModuleDict)):
+        raise TypeError(
+            f"Pipe needs a model it can call, got a {type(model).__name__} (it has no forward): "
+            f"wrap its layers in nn.Sequential(...), or pass the module that loops over it"
         )
     if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
@@ -106,7 +111,7 @@ def _timetable(text: str) -> Schedule:
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
     if first[:1].isdigit() or first.startswith(","):  # torchtitan's CSV: '0F0,0F1,...'
         return parse_csv(text)
-    return parse_schedule(text)
+    return Schedule.parse(text)
 
 
 def build_schedule(

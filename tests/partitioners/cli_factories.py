@@ -16,6 +16,17 @@ def mlp() -> nn.Sequential:
     )
 
 
+def tiny_llama() -> nn.Module:
+    """A Hugging Face LlamaForCausalLM from a tiny config (random weights, nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2))
+
+
 def not_sequential() -> nn.Module:
     return nn.Linear(4, 4)
 

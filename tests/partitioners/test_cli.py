@@ -53,6 +53,16 @@ def test_console_script_writes_table_json_and_png(tmp_path: Path) -> None:
     assert out_png.stat().st_size > 10_000
 
 
+def test_a_model_as_written_is_traced_into_units(tmp_path: Path) -> None:
+    """A factory returning a Hugging Face Llama, token ids as input: its units are cut."""
+    result = run(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
+                  "--stages", "2", "--threads", "1", "--repeat", "1", "--no-progress",
+                  "--json", "o.json"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert sum(data["balance"]) == 5 and len(data["balance"]) == 2  # prologue, 3 blocks, epilogue
+
+
 def test_module_run_with_memory_limit_and_bandwidth(tmp_path: Path) -> None:
     result = run(
         ["cli_factories:mlp", "--input-shape", "16,32", "--stages", "3", "--threads", "1",
@@ -66,7 +76,7 @@ def test_module_run_with_memory_limit_and_bandwidth(tmp_path: Path) -> None:
 
 SUBPROCESS_ERRORS = [
     (["cli_factories:exits", "--input-shape", "4,32", "--stages", "2"],
-     "cli_factories:exits() called sys.exit(0); expected it to return an nn.Sequential"),
+     "cli_factories:exits() called sys.exit(0); expected it to return an nn.Module"),
     (["cli_factories:mlp", "--input-shape", "1000000,1000000", "--stages", "2"],
      "cannot allocate the --input-shape 1000000,1000000 sample: 3.64 TiB"),
 ]
@@ -108,7 +118,7 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
         (["cli_factories:missing", "--input-shape", "4,32", "--stages", "2"],
          "module 'cli_factories' has no attribute 'missing'"),
         (["cli_factories:not_sequential", "--input-shape", "4,32", "--stages", "2"],
-         "returned a Linear, expected an nn.Sequential"),
+         "Linear has no run of same-class blocks"),
         (["cli_factories:mlp", "--input-shape", "4,x", "--stages", "2"],
          "malformed --input-shape '4,x'"),
         (["cli_factories:mlp", "--input-shape", "4,32", "--stages", "13"],

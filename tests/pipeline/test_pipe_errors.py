@@ -38,10 +38,12 @@ def test_model_that_is_not_sequential() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x
 
-    with pytest.raises(TypeError, match=r"needs an nn\.Sequential.*got Net"):
-        Pipe(Net(), 2, stages=1)
-    with pytest.raises(TypeError, match=r"got ModuleList"):
-        Pipe(nn.ModuleList([nn.Linear(2, 2)]), 2, stages=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"needs sample=.* to cut a Net"):
+        Pipe(Net(), 2, stages=1)  # any module is traced, with a sample (tests/units/)
+    with pytest.raises(TypeError, match=r"got a ModuleList \(it has no forward\)"):
+        Pipe(nn.ModuleList([nn.Linear(2, 2)]), 2, stages=1)
+    with pytest.raises(TypeError, match=r"needs an nn\.Module.*got int"):
+        Pipe(3, 2, stages=1)  # type: ignore[arg-type]
 
 
 def test_empty_sequential() -> None:
