@@ -365,22 +365,28 @@ def _load(scope: _Scope, optimizer: torch.optim.Optimizer | None, path: Path) ->
     _check_optimizer(scope, optimizer)
     directory = check_complete(path)
 
-    def prepare() -> tuple[Reading, RankLoad]:
+    def prepare() -> tuple[Reading, RankLoad, RankLoad]:
         metadata, files = read_manifest(directory)
         verify(directory, files, [METADATA_FILE])
         reading = plan_reading(scope.layout, optimizer, metadata, directory, scope.ranks.rank)
-        loading = RankLoad(reading.flat, directory, metadata)
-        verify(directory, files, loading.files())
-        return reading, loading
+        tied = {key: reading.flat[key] for key in reading.tied_keys.values()}
+        rest = {key: value for key, value in reading.flat.items() if key not in tied}
+        loads = RankLoad(tied, directory, metadata), RankLoad(rest, directory, metadata)
+        verify(directory, files, loads[0].files() + loads[1].files())
+        return reading, *loads
 
     prepared, failure = _attempt(prepare, "checking the checkpoint")
     _agree(scope, failure, "checking the checkpoint")
     assert prepared is not None
-    reading, loading = prepared
+    reading, tied, rest = prepared
+
+    # The tied keys first, into placeholders: a tie the checkpoint would break is refused
+    # on every rank before anything is read into the model.
+    _, failure = _attempt(lambda: check_ties(reading, tied.read()), "checking tied weights")
+    _agree(scope, failure, "checking tied weights")
 
     def read() -> dict[str, Any] | None:
-        loading.read()
-        check_ties(reading)
+        reading.flat.update(rest.read())
         return optimizer_state(reading, optimizer)
 
     optimizer_loaded, failure = _attempt(read, "reading the checkpoint")

@@ -11,8 +11,9 @@ Loading is strict, as ``load_state_dict(strict=True)``: every key this process n
 in the checkpoint, every model key of the checkpoint is one of this model's, shapes
 agree, and the optimizer's kind agrees (the hyperparameter and state keys). The keys of
 a tied parameter (a head tied to the embedding) are read apart and must hold one value.
-Everything is checked against the index before a byte is read; the model's untied
-tensors are then read in place, the rest into placeholders applied after every check.
+Everything is checked against the index before a byte is read; tied keys are read
+first, into placeholders, and compared; the model's other tensors are then read in
+place, the optimizer's into placeholders applied once every rank read its part.
 """
 
 from __future__ import annotations
@@ -235,12 +236,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def check_ties(reading: Reading) -> None:
-    """Raise CheckpointError where the checkpoint gives one tied parameter two values."""
+def check_ties(reading: Reading, read: dict[str, Any]) -> None:
+    """Raise CheckpointError where the values ``read`` give one tied parameter two values."""
     for names in reading.ties:
-        first = reading.flat[reading.tied_keys[names[0]]]
+        first = read[reading.tied_keys[names[0]]]
         for name in names[1:]:
-            value = reading.flat[reading.tied_keys[name]]
+            value = read[reading.tied_keys[name]]
             if value.shape != first.shape or not torch.equal(_local(value), _local(first)):
                 raise CheckpointError(
                     f"model.{names[0]} and model.{name} are one parameter in this model (tied), "

@@ -77,6 +77,7 @@ class RankLoad:
     ``directory``, whose index ``metadata`` came from the checked manifest."""
 
     def __init__(self, state: dict[str, Any], directory: Path, metadata: Metadata) -> None:
+        self.state = state
         self.planner = _WeightsOnlyLoadPlanner()
         self.reader = FileSystemReader(directory)
         self.planner.set_up_planner(state, metadata, True)
@@ -90,6 +91,7 @@ class RankLoad:
         return sorted({self.reader.storage_data[item.storage_index].relative_path
                        for item in self.plan.items})
 
-    def read(self) -> None:
-        """Fill the placeholders (tensors in place, bytes entries replaced)."""
+    def read(self) -> dict[str, Any]:
+        """Fill the placeholders (tensors in place, bytes entries replaced); the state."""
         self.reader.read_data(self.plan, self.planner).wait()
+        return self.state

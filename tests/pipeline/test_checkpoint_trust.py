@@ -112,8 +112,17 @@ def test_a_save_keeps_gradients_and_optimizer_state(tmp_path: Path) -> None:
 # -- row 7 and 16: strict, with ties ---------------------------------------------------------
 
 
+def _untied(path: Path) -> None:
+    """An untied model's checkpoint, every value other than the tied model's."""
+    untied = tied_mlp(tied=False)
+    with torch.no_grad():
+        for parameter in untied.parameters():
+            parameter.mul_(2.0)
+    save_model_checkpoint(untied, None, path, 1)
+
+
 def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path: Path) -> None:
-    save_model_checkpoint(tied_mlp(tied=False), None, tmp_path / "untied", 1)
+    _untied(tmp_path / "untied")
     tied = tied_mlp()
     before = named_parameters(tied)
     with pytest.raises(CheckpointError, match=r"model\.0\.weight and model\.14\.weight are one "
@@ -124,6 +133,7 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model(tmp_path: Path) -> None
     pipe = _local_pipe(tied_mlp())
     with pytest.raises(CheckpointError, match=r"model\.0\.weight and model\.14\.weight .*tied"):
         load_checkpoint(pipe, None, tmp_path / "untied")
+    assert _equal(named_parameters(pipe.model), before)
     pipe.close()
 
 
@@ -314,13 +324,24 @@ def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(
         load_into_model(deep_mlp(), None, plain_checkpoint)
 
 
+def test_dcp_own_tools_still_read_the_directory(plain_checkpoint: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(plain_checkpoint, tmp_path / "whole.pt")  # DCP unpickles our .metadata
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    model = deep_mlp()
+    load_into_model(model, None, plain_checkpoint)
+    assert _equal({k: v for k, v in whole["model"].items()}, model.state_dict())
+    assert int(whole["step"]) == 1 and whole["optim"]["param_groups"]["0.weight"]["lr"] == 1e-3
+
+
 # -- on two gloo ranks ------------------------------------------------------------------------
 
 
 @cache
 def _two_ranks(directory: str) -> list[list[Any]]:
     base = Path(directory)
-    save_model_checkpoint(tied_mlp(tied=False), None, base / "untied", 1)
+    _untied(base / "untied")
     calls = [(fresh_saves, (str(base / "fresh"),)), (untied_into_tied, (str(base / "untied"),)),
              (corrupt_files, (str(base / "corrupt"),)), (hostile_peer, (str(base / "hostile"),))]
     for sub in ("fresh", "corrupt", "hostile"):
@@ -336,8 +357,13 @@ def _tensors(tree: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
-    return _two_ranks(str(tmp_path_factory.mktemp("two_ranks")))
+def two_ranks_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("two_ranks")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_directory: Path) -> list[list[Any]]:
+    return _two_ranks(str(two_ranks_directory))
 
 
 def test_on_two_ranks_a_save_before_the_first_step_changes_nothing(
@@ -353,6 +379,17 @@ def test_on_two_ranks_a_save_before_the_first_step_changes_nothing(
         for save in (*SAVES[1:], "resumed"):
             assert _equal(merged[f"{name}/{save}"], plain), (name, save)
         assert _equal(plain, _trained(name, SAVES[0], None))
+
+
+def test_dcp_own_tools_read_a_two_rank_checkpoint_whole(two_ranks: list[list[Any]],
+                                                        two_ranks_directory: Path,
+                                                        tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(two_ranks_directory / "fresh" / "adam-1", tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    assert _equal(whole["model"], deep_mlp().state_dict())  # saved before the first step
+    assert "state" not in whole["optim"] and len(whole["optim"]["param_groups"]) == 16
 
 
 def test_on_two_ranks_an_untied_checkpoint_is_refused_on_every_rank(
