@@ -21,7 +21,7 @@ from schedules.comm_validate import validate_comm
 from schedules.comm import CommPlan, comm_plan
 from schedules.comm_ops import CommOp, Group
 from schedules.forward import forward_only
-from schedules.text import parse_csv, parse_schedule, read_schedule, to_csv
+from schedules.text import parse_csv, read_schedule, to_csv
 from schedules.zero_bubble import zero_bubble_h1, zero_bubble_h2
 from schedules.zero_bubble_v import zero_bubble_v
 
@@ -68,7 +68,6 @@ __all__ = [
     "ResolvedCosts",
     "memory_traces",
     "parse_csv",
-    "parse_schedule",
     "read_schedule",
     "to_csv",
 ]

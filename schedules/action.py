@@ -1,9 +1,10 @@
-"""The vocabulary of a pipeline timetable: operations, actions and schedules."""
+"""The vocabulary of a pipeline timetable: operations, actions and schedules, and their text."""
 
 from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
@@ -27,6 +28,7 @@ class Op(Enum):
 
 
 _ACTION_TEXT = re.compile(r"^([FBIW])(\d+)(?:@c(\d+))?$")
+_STAGE_LINE = re.compile(r"^stage\s+(\d+)\s*:(.*)$")
 
 
 @dataclass(frozen=True)
@@ -177,16 +179,13 @@ class Schedule:
     def parse(cls, text: str, name: str = "custom") -> Schedule:
         """Read a timetable printed by ``str(schedule)``: ``Schedule.parse(str(s), s.name) == s``.
 
-        The format, and the CSV form, are described in ``schedules.text``; the result is
-        checked for form only: ``validate`` it before running it.
+        See :func:`parse_order` for the form; the result is checked for form only:
+        ``validate`` it before running it (``schedules.text`` reads CSV and files).
 
         Raises:
             ScheduleError: the text is not a timetable (the message names the line).
         """
-        # schedules.text builds on this module, so it is imported when first needed.
-        from schedules.text import parse_schedule
-
-        return parse_schedule(text, name)
+        return parse_order(text, name)
 
 
 def _check_actions_are_actions(order: tuple[tuple[Any, ...], ...]) -> None:
@@ -222,3 +221,114 @@ def format_order(
         prefix = "... " if start else ""
         lines.append(f"stage {stage}: {prefix}{' '.join(texts)}")
     return "\n".join(lines)
+
+
+def parse_order(text: str, name: str = "custom") -> Schedule:
+    """The Schedule that ``text`` prints as: the inverse of ``str(schedule)``.
+
+    Blank lines and ``#`` comments are ignored. The counts are read off the actions:
+    micro-batches ``0..M-1`` and chunks ``0..C-1`` must each appear; a chunk lives on the
+    stage whose line runs it (that is the placement); a timetable of forwards alone is a
+    forward-only one. The form is checked, not whether it runs: ``validate`` does that.
+
+    >>> from schedules import one_f_one_b
+    >>> text = str(one_f_one_b(stages=2, microbatches=2))
+    >>> print(text)
+    stage 0: F0 F1 B0 B1
+    stage 1: F0@c1 B0@c1 F1@c1 B1@c1
+    >>> Schedule.parse(text, name="1f1b") == one_f_one_b(stages=2, microbatches=2)
+    True
+
+    Args:
+        text: one line ``stage s: <actions>`` per stage, stages in order from 0.
+        name: the schedule's name, for titles and messages.
+
+    Raises:
+        ScheduleError: a line not of that form, naming the line, what was expected and
+            what it holds; a gap in the micro-batches or chunks; a chunk on two stages.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a timetable is text, got {type(text).__name__}")
+    rows: list[tuple[str, list[Action]]] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            rows.append((f"line {number}", _stage_actions(line, number, len(rows))))
+    if not rows:
+        raise ScheduleError(
+            "expected a timetable, one line per stage such as 'stage 0: F0 F1 B0 B1', "
+            "got no stage lines"
+        )
+    return schedule_of_rows(rows, name)
+
+
+def _stage_actions(line: str, number: int, stage: int) -> list[Action]:
+    if "..." in line or "[" in line:
+        raise ScheduleError(
+            f"line {number}: {line!r} is a window of a timetable (as an error message "
+            f"shows one, with '...' and '[ ]'); give every action of the stage"
+        )
+    match = _STAGE_LINE.match(line)
+    if match is None:
+        raise ScheduleError(
+            f"line {number}: expected 'stage {stage}: <actions>', e.g. 'stage {stage}: F0 B0', "
+            f"got {line!r}"
+        )
+    if int(match.group(1)) != stage:
+        raise ScheduleError(
+            f"line {number}: expected stage {stage} next (one line per stage, in order from "
+            f"stage 0), got stage {int(match.group(1))}"
+        )
+    actions = []
+    for position, token in enumerate(match.group(2).split(), start=1):
+        try:
+            actions.append(Action.parse(token))
+        except ValueError:
+            raise ScheduleError(
+                f"line {number} (stage {stage}), action {position}: expected an action like "
+                f"'F3', 'B3', 'I3@c1' or 'W3@c1', got {token!r}"
+            ) from None
+    return actions
+
+
+def schedule_of_rows(rows: Sequence[tuple[str, list[Action]]], name: str) -> Schedule:
+    """The Schedule of each stage's actions, its counts and placement read off the actions.
+
+    ``rows[stage]`` is ``(where, actions)``, ``where`` naming the text (``"line 3"``) for
+    messages.
+
+    Raises:
+        ScheduleError: a stage without actions, a chunk on two stages, a gap in the
+            micro-batches or chunks.
+    """
+    owner: dict[int, tuple[int, str]] = {}  # chunk -> (stage, where)
+    microbatches: set[int] = set()
+    for stage, (where, actions) in enumerate(rows):
+        if not actions:
+            raise ScheduleError(f"{where}: stage {stage} runs no action; every stage holds a "
+                                f"model chunk and runs its forwards")
+        for action in actions:
+            microbatches.add(action.microbatch)
+            first = owner.setdefault(action.chunk, (stage, where))
+            if first[0] != stage:
+                raise ScheduleError(
+                    f"{where}: chunk {action.chunk} runs on stage {stage} ({action}) and on "
+                    f"stage {first[0]} ({first[1]}); a model chunk lives on one stage"
+                )
+    for kind, plural, seen in (("micro-batch", "micro-batches", microbatches),
+                               ("chunk", "chunks", set(owner))):
+        missing = sorted(set(range(max(seen) + 1)) - seen)
+        if missing:
+            raise ScheduleError(
+                f"{kind} {missing[0]} appears nowhere, but {kind} {max(seen)} does: "
+                f"{plural} are numbered from 0 without gaps"
+            )
+    order = tuple(tuple(actions) for _, actions in rows)
+    return Schedule(
+        stages=len(rows),
+        microbatches=max(microbatches) + 1,
+        order=order,
+        placement=tuple(owner[chunk][0] for chunk in range(len(owner))),
+        name=name,
+        forward_only=all(action.op is Op.F for actions in order for action in actions),
+    )
