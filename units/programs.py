@@ -90,7 +90,7 @@ def _program(traced: fx.GraphModule, body: list[fx.Node], entry: list[fx.Node],
              exit_values: list[fx.Node]) -> Program:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    state = []
+    state: list[str] = []
     reads = [arg for node in body for arg in node.all_input_nodes if arg.op == "get_attr"]
     for attribute in dict.fromkeys(reads):
         env[attribute] = graph.placeholder(f"state_{len(state)}")

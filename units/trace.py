@@ -108,7 +108,8 @@ def _export(model: nn.Module, sample: Any, training: bool
     """
     args, kwargs = as_call(sample)
     shapes = _dynamic_shapes(model, args, kwargs)
-    with _mode(model, training), _no_cache(model), fx_config.patch(backed_size_oblivious=True):
+    oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
+    with _mode(model, training), _no_cache(model), oblivious:
         try:
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)

@@ -44,8 +44,8 @@ class TracedModel:
         """Raise ValueError now, before a step begins, for a batch the first unit would refuse
         (other arguments or keys, another value of a non-tensor argument)."""
         first = self.sequential[0]
-        for part in batch if isinstance(batch, list) else [batch]:
-            first._call.flatten(part)
+        assert isinstance(first, Unit)
+        first.check(batch)
 
     def model_key(self, key: str) -> str:
         """``"3.model.norm.weight"`` -> ``"model.norm.weight"``."""
@@ -138,13 +138,16 @@ def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
     count = len(programs[True])
     mode = _RootMode(model)
     sequential = nn.Sequential()
-    outputs = {m: (cut[m][1], traced[m]._out_spec) for m in cut}
+    outputs: dict[bool, tuple[Sequence[Any], Any]] = {
+        m: (cut[m][1], traced[m]._out_spec) for m in cut}
+    units = []
     for index in range(count):
         per_mode = {m: programs[m][index] for m in programs}
         name = _unit_name(index, count, starts, default)
-        sequential.append(Unit(index, name, per_mode, mode, call if index == 0 else None,
-                               outputs if index == count - 1 else None))
-    infos = _hold_state(model, sequential, programs, traced)
+        units.append(Unit(index, name, per_mode, mode, call if index == 0 else None,
+                          outputs if index == count - 1 else None))
+        sequential.append(units[-1])
+    infos = _hold_state(model, units, programs, traced)
     return TracedModel(model, sequential, infos)
 
 
@@ -169,7 +172,7 @@ class _RootMode:
         return self.model.training
 
 
-def _hold_state(model: nn.Module, sequential: nn.Sequential,
+def _hold_state(model: nn.Module, sequential: list[Unit],
                 programs: dict[bool, list[Program]], traced: dict[bool, fx.GraphModule]
                 ) -> list[UnitInfo]:
     """Give each unit the model's modules (or tensors) its programs read; state nothing
@@ -186,11 +189,12 @@ def _hold_state(model: nn.Module, sequential: nn.Sequential,
         paths = sorted({path for mode in programs for path in programs[mode][index].state})
         attached: list[str] = []
         for path in paths:
-            if _lifted(path, model, traced):
-                unit.register_buffer(path, _lifted(path, model, traced), persistent=False)
+            lifted = _lifted(path, model, traced)
+            if lifted is not None:
+                unit.register_buffer(path, lifted, persistent=False)
                 continue
             # every name of a tied tensor, so that no holder of it is left to another unit
-            for alias in aliases.get(id(unit._read_from(model, path)), [path]):
+            for alias in aliases.get(id(Unit.read_from(model, path)), [path]):
                 _attach(unit, alias, owners, persistent, attached)
         unit_keys = set(unit.state_dict(keep_vars=True))
         held.update(unit_keys)

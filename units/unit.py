@@ -66,11 +66,18 @@ class Unit(nn.Module):
             leaves.append(value if constant else results[place])
         return pytree.tree_unflatten(leaves, spec)
 
-    def _read(self, path: str) -> torch.Tensor:
-        return self._read_from(self, path)
+    def check(self, batch: Any) -> None:
+        """Raise ValueError for a batch (or a list of micro-batches) the first unit refuses."""
+        if self._call is None:
+            raise ValueError(f"unit {self.index} ({self.name}) does not take the batch")
+        for part in batch if isinstance(batch, list) else [batch]:
+            self._call.flatten(part)
+
+    def _read(self, path: str) -> Any:
+        return self.read_from(self, path)
 
     @staticmethod
-    def _read_from(root: nn.Module, path: str) -> Any:
+    def read_from(root: nn.Module, path: str) -> Any:
         owner: Any = root
         for part in path.split("."):
             owner = getattr(owner, part)
