@@ -208,13 +208,19 @@ def check_complete(path: str | os.PathLike[str]) -> Path:
 
 
 def _scope_of_pipe(pipe: Pipe) -> _Scope:
-    view = nn.Module()  # the local layers under the nn.Sequential's names: "4.weight"
-    for index in pipe.local_layers:
-        view.add_module(str(index), pipe.model[index])
     ranks, settings = pipe.ranks, pipe.distributed
     if settings is not None:
         # Data-parallel replicas write the same keys (the plan keeps one copy): all take part.
         ranks = RankGroup(settings.holders, pipe.timeout)
+    traced = pipe._traced
+    if traced is not None:  # a traced model: its units' share under the model's own names
+        layout = Layout(traced.view(pipe.local_layers),
+                        frozenset(traced.to_model_state(pipe.model.state_dict(keep_vars=True))),
+                        traced.model_ties(pipe._ties))
+        return _Scope(layout, ranks, pipe.devices[0])
+    view = nn.Module()  # the local layers under the nn.Sequential's names: "4.weight"
+    for index in pipe.local_layers:
+        view.add_module(str(index), pipe.model[index])
     layout = Layout(view, frozenset(pipe.model.state_dict(keep_vars=True)),
                     tuple(tuple(names) for names in pipe._ties))
     return _Scope(layout, ranks, pipe.devices[0])

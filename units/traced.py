@@ -19,7 +19,7 @@ from units.boundaries import assign_units, block_run
 from units.errors import TraceError
 from units.programs import Program, cut_programs
 from units.trace import export_model
-from units.unit import Unit
+from units.unit import Unit, attach
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,31 @@ class TracedModel:
         first = self.sequential[0]
         assert isinstance(first, Unit)
         first.check(batch)
+
+    def view(self, indices: Sequence[int]) -> nn.Module:
+        """What units ``indices`` hold, under the model's own names, each object once: the
+        module a checkpoint of this process's share reads and writes."""
+        found = nn.Module()
+        seen: set[int] = set()
+        for index in indices:
+            unit = self.sequential[index]
+            assert isinstance(unit, Unit)
+            for path, module, tensor in unit.held():
+                key = id(module) if module is not None else id(tensor[1]) if tensor else 0
+                if key not in seen:
+                    seen.add(key)
+                    attach(found, path, module, tensor)
+        return found
+
+    def model_ties(self, unit_ties: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
+        """Groups of tied unit keys -> the model's keys of each tie (the same tensor held
+        by several units is one key, not a tie)."""
+        found = []
+        for group in unit_ties:
+            names = tuple(dict.fromkeys(self.model_key(key) for key in group))
+            if len(names) > 1:
+                found.append(names)
+        return tuple(dict.fromkeys(found))
 
     def model_key(self, key: str) -> str:
         """``"3.model.norm.weight"`` -> ``"model.norm.weight"``."""
@@ -192,6 +217,7 @@ def _hold_state(model: nn.Module, sequential: list[Unit],
             lifted = _lifted(path, model, traced)
             if lifted is not None:
                 unit.register_buffer(path, lifted, persistent=False)
+                unit.lifted.add(path)
                 continue
             # every name of a tied tensor, so that no holder of it is left to another unit
             for alias in aliases.get(id(Unit.read_from(model, path)), [path]):

@@ -10,7 +10,7 @@ and BatchNorm's mode, so the unit runs the one traced in the root model's presen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ class Unit(nn.Module):
         self._mode = mode
         self._call = call            # the first unit: how the batch is flattened
         self._outputs = outputs      # the last unit: how the model's output is rebuilt
+        self.lifted: set[str] = set()  # buffers of constants the trace lifted out of the code
 
     def extra_repr(self) -> str:
         return f"{self.index}: {self.name}"
@@ -85,22 +86,56 @@ class Unit(nn.Module):
 
     def attach(self, path: str, module: nn.Module | None = None,
                tensor: tuple[str, torch.Tensor, bool] | None = None) -> None:
-        """Hold ``module`` at ``path`` (or ``tensor``: a name, the tensor, persistent),
-        creating plain holders for the path's parents."""
-        parts = path.split(".") if path else []
-        owner: nn.Module = self
-        for part in parts[:-1] if module is not None else parts:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
-        if module is not None:
-            owner.add_module(parts[-1], module)
-            return
-        assert tensor is not None
-        name, value, persistent = tensor
-        if isinstance(value, nn.Parameter):
-            owner.register_parameter(name, value)
+        """Hold ``module`` at ``path`` (or ``tensor``: a name, the tensor, persistent)."""
+        attach(self, path, module, tensor)
+
+    def held(self) -> Iterator[tuple[str, nn.Module | None, tuple[str, torch.Tensor, bool] | None]]:
+        """What this unit holds of the model, as ``attach`` took it: (path, module, None)
+        for a module held whole, (path, None, (name, tensor, persistent)) for a tensor."""
+        yield from _held(self, "")
+
+
+def attach(root: nn.Module, path: str, module: nn.Module | None = None,
+           tensor: tuple[str, torch.Tensor, bool] | None = None) -> None:
+    """Hold ``module`` at ``path`` under ``root`` (or ``tensor``: a name, the tensor,
+    persistent, on the module at ``path``), creating plain holders for the path's parents."""
+    parts = path.split(".") if path else []
+    owner: nn.Module = root
+    for part in parts[:-1] if module is not None else parts:
+        child = owner._modules.get(part)
+        if child is None:
+            child = _Holder()
+            owner.add_module(part, child)
+        owner = child
+    if module is not None:
+        owner.add_module(parts[-1], module)
+        return
+    assert tensor is not None
+    name, value, persistent = tensor
+    if isinstance(value, nn.Parameter):
+        owner.register_parameter(name, value)
+    else:
+        owner.register_buffer(name, value, persistent=persistent)
+
+
+class _Holder(nn.Module):
+    """A plain module standing for one of the model's modules on the path to what a unit
+    holds (the model's own module is not held whole: it holds other units' parts too)."""
+
+
+def _held(module: nn.Module, prefix: str
+          ) -> Iterator[tuple[str, nn.Module | None, tuple[str, torch.Tensor, bool] | None]]:
+    for name, value in module._parameters.items():
+        if value is not None:
+            yield prefix.rstrip("."), None, (name, value, True)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and not (isinstance(module, Unit) and name in module.lifted):
+            yield prefix.rstrip("."), None, (name, buffer,
+                                             name not in module._non_persistent_buffers_set)
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        if isinstance(child, _Holder):
+            yield from _held(child, f"{prefix}{name}.")
         else:
-            owner.register_buffer(name, value, persistent=persistent)
+            yield f"{prefix}{name}", child, None

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.group.launch import run_ranks
 from traced_models import build
-from traced_workers import exact_on_ranks, state_on_ranks
+from traced_workers import exact_on_ranks, lengths_on_ranks, state_on_ranks
 
 TOLERANCE = 1e-10
 KINDS = ["llama", "gpt2", "looped"]
@@ -18,7 +18,9 @@ MODES = ["never", "always"]
 
 
 def _in_turn(rank: int, world: int) -> list[Any]:
-    return [exact_on_ranks(rank, world, KINDS, SCHEDULES, MODES), state_on_ranks(rank, world)]
+    return [exact_on_ranks(rank, world, KINDS, SCHEDULES, MODES), state_on_ranks(rank, world),
+            exact_on_ranks(rank, world, ["llama"], ["zb-v"], ["always"], "ordered"),
+            lengths_on_ranks(rank, world, [12, 7, 20])]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,19 @@ def test_two_ranks_every_model_schedule_and_mode(two_ranks: list[list[Any]]) -> 
             assert loss_error < TOLERANCE, where
             assert grad_error < TOLERANCE, where
             assert compared > 0, where
+
+
+def test_the_transport_under_nccls_rules(two_ranks: list[list[Any]]) -> None:
+    for rank, found in enumerate(two_ranks):
+        (kind, schedule, mode, loss_error, grad_error, compared), = found[2]
+        assert loss_error < TOLERANCE and grad_error < TOLERANCE and compared > 0, rank
+
+
+def test_sequence_length_changes_between_steps_on_ranks(two_ranks: list[list[Any]]) -> None:
+    for rank, found in enumerate(two_ranks):
+        assert len(found[3]) == 3
+        for loss_error, grad_error in found[3]:
+            assert loss_error < TOLERANCE and grad_error < TOLERANCE, rank
 
 
 def test_gathered_state_is_the_plain_models_under_its_own_keys(two_ranks: list[list[Any]]

@@ -13,7 +13,7 @@ from traced_models import build, loss_options, reference
 
 
 def exact_on_ranks(rank: int, world: int, kinds: list[str], schedules: list[str],
-                   modes: list[str]) -> list[tuple[Any, ...]]:
+                   modes: list[str], transport: str = "auto") -> list[tuple[Any, ...]]:
     """Per (model, schedule, mode): the loss error and the worst gradient error of the
     parameters this rank holds, and how many it compared."""
     torch.set_num_threads(1)
@@ -25,7 +25,8 @@ def exact_on_ranks(rank: int, world: int, kinds: list[str], schedules: list[str]
             for mode in modes:
                 model = copy.deepcopy(base)
                 with Pipe(model, chunks=4, schedule=schedule, checkpoint=mode, sample=batch,
-                          group=dist.group.WORLD, **loss_options(kind)) as pipe:
+                          group=dist.group.WORLD, transport=transport,
+                          **loss_options(kind)) as pipe:
                     loss = pipe.step(batch, target)
                     local = {id(p) for p in pipe.parameters()}
                 errors = [(p.grad - grads_expected[name]).abs().max().item()
@@ -96,3 +97,46 @@ def mesh_exact(rank: int, world: int, combinations: list[tuple[str, str, str]]
         rows.append((data_parallel, schedule, mode, abs(loss.item() - loss_expected),
                      max(errors), len(errors)))
     return rows
+
+
+def lengths_on_ranks(rank: int, world: int, lengths: list[int]) -> list[tuple[float, float]]:
+    """One Pipe over steps of sequence lengths ``lengths``: (loss error, worst gradient error
+    of what this rank holds) at each, against the plain model."""
+    from traced_models import tokens
+
+    torch.set_num_threads(1)
+    base, batch, _ = build("llama")
+    model = copy.deepcopy(base)
+    errors = []
+    with Pipe(model, chunks=2, schedule="zb-v", checkpoint="always", sample=batch,
+              group=dist.group.WORLD, **loss_options("llama")) as pipe:
+        local = {id(p) for p in pipe.parameters()}
+        for length in lengths:
+            batch, target = tokens(length=length, seed=length)
+            loss_expected, grads_expected = reference(copy.deepcopy(base), batch, target, "llama")
+            model.zero_grad()
+            loss = pipe.step(batch, target)
+            worst = max((p.grad - grads_expected[name]).abs().max().item()
+                        for name, p in model.named_parameters(remove_duplicate=False)
+                        if id(p) in local and not p.is_meta)
+            errors.append((abs(loss.item() - loss_expected), worst))
+    return errors
+
+
+def save_on_ranks(rank: int, world: int, directory: str) -> list[str]:
+    """A Llama trained two Adam steps on 2 ranks and saved with save_checkpoint; this
+    rank's parameter names (the model's own)."""
+    from pipeline import save_checkpoint
+
+    torch.set_num_threads(1)
+    base, batch, target = build("llama")
+    model = copy.deepcopy(base)
+    with Pipe(model, chunks=2, sample=batch, group=dist.group.WORLD,
+              **loss_options("llama")) as pipe:
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
+        for _ in range(2):
+            pipe.step(batch, target)
+            optimizer.step()
+            optimizer.zero_grad()
+        save_checkpoint(pipe, optimizer, directory, step=2)
+        return sorted(pipe.state_dict())
