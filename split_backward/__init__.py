@@ -1,11 +1,15 @@
 """The split backward of a zero-bubble schedule: I (input gradients) now, W (weight gradients) later.
 
 A leaf package (it imports only torch), used by ``pipeline.compute`` in every I and
-W and by ``partitioners`` to time I and W as the runtime runs them.
-``graph_split.backward_input`` splits any autograd graph exactly, by reading it
-(``autograd_graph``, ``weight_rules``).
+W and by ``partitioners`` to time I and W as the runtime runs them. Two ways, chosen
+per chunk and micro-batch (``chunk_split.ChunkSplit``): Linear layers that defer
+their own weight gradients (``deferred_linear``), and the exact split of any autograd
+graph by reading it (``graph_split``, ``autograd_graph``, ``weight_rules``), for
+everything the layers do not cover.
 """
 
+from split_backward.chunk_split import MIN_PRODUCT, SPLIT_MODES, ChunkSplit, SplitMode, check_mode
 from split_backward.graph_split import WeightGradients, backward_input
 
-__all__ = ["WeightGradients", "backward_input"]
+__all__ = ["MIN_PRODUCT", "SPLIT_MODES", "ChunkSplit", "SplitMode", "WeightGradients",
+           "backward_input", "check_mode"]

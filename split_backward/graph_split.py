@@ -36,7 +36,7 @@ gradient, whether or not its path meets an input.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -45,6 +45,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
+from split_backward.deferred_linear import Records, weight_seeds
 from split_backward.weight_rules import Deferred, fused, prepare
 
 Grads = tuple[torch.Tensor | None, ...]
@@ -118,24 +119,31 @@ class _Capture:
 
 @dataclass
 class WeightGradients:
-    """What I leaves for W: the weight-side seeds known so far and the captured junctions."""
+    """What I leaves for W: the weight-side seeds known so far, the captured junctions, and
+    what layers that defer their own weight gradients recorded (``deferred_linear``)."""
 
     seeds: list[tuple[Slot, torch.Tensor]]
     captures: list[_Capture]
     keeps_graph: bool = True  # False where I freed the graph as it went
+    records: Records = field(default_factory=Records)
 
     @property
     def empty(self) -> bool:
         """Whether W has nothing to do (no parameter is reachable)."""
-        return not self.seeds and not self.captures
+        return not self.seeds and not self.captures and not self.records
 
     def run(self) -> None:
-        """Accumulate the weight gradients into ``.grad`` (W); the graph is freed as it goes."""
+        """Accumulate the weight gradients into ``.grad`` (W); the graph is freed as it goes.
+
+        One engine call from every seed: a parameter the graph split and a deferring
+        layer both reach accumulates once.
+        """
         seeds = list(self.seeds)
         with torch.no_grad():
             for capture in self.captures:
                 seeds.extend(capture.exit_grads())
-        self.seeds, self.captures = [], []
+            seeds.extend(weight_seeds(self.records))
+        self.seeds, self.captures, self.records = [], [], Records()
         if seeds:
             # Through the seeds' own nodes (a Linear's weight.t(), say): a gradient the
             # engine makes is one AccumulateGrad may keep as .grad without a copy.
@@ -146,6 +154,8 @@ class WeightGradients:
     def held(self) -> list[torch.Tensor]:
         """The tensors kept for W: captured gradients and the saved tensors rules read."""
         tensors = [grad for _, grad in self.seeds]
+        for record in self.records:
+            tensors += [record.input, record.grad_output]
         for capture in self.captures:
             tensors.extend(g for g in capture.entered or () if g is not None)
             tensors.extend(capture.sent.values())
@@ -167,7 +177,7 @@ def _rerun(junction: Junction, entered: Grads, missing: list[Exit]) -> list[tupl
     return [(exit.slot, outputs[exit.output]) for exit in missing if outputs[exit.output] is not None]
 
 
-def _whole_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+def whole_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     inputs: Sequence[torch.Tensor]) -> Grads:
     """I as a whole backward, weight gradients included (W then has nothing to do).
 
@@ -245,7 +255,7 @@ def backward_input(
     input_edges = [get_gradient_edge(leaf) for leaf in inputs]
     split = split_graph([edge.node for edge in root_edges], [edge.node for edge in input_edges])
     if split.reentrant:
-        return _whole_backward(roots, grads, inputs), WeightGradients([], [])
+        return whole_backward(roots, grads, inputs), WeightGradients([], [])
     seeds = [((edge.node, edge.output_nr), g)
              for edge, g, on_chain in zip(root_edges, grads, split.on_chain) if not on_chain]
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]

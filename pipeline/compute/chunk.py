@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from split_backward import WeightGradients, backward_input
+from split_backward import ChunkSplit, SplitMode, WeightGradients, check_mode
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.compute.recompute import chunk_seed, layer_seed, seeded
 from pipeline.errors import StageError
@@ -81,6 +81,10 @@ class ChunkOptions:
     loss_fn: Callable[..., Any] | None
     deferred_batch_norm: bool = False
     track_memory: bool = False  # count saved-tensor bytes (a hook per saved tensor: not free)
+    split_backward: SplitMode = "auto"  # how I and W split: see ``split_backward.chunk_split``
+
+    def __post_init__(self) -> None:
+        check_mode(self.split_backward)
 
 
 class ChunkRunner:
@@ -112,6 +116,7 @@ class ChunkRunner:
         self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
         self._weights: dict[int, WeightGradients] = {}  # what each micro-batch's I left for W
+        self._split = ChunkSplit(layers, options.split_backward)
         self._seed_base = 0
         self._microbatches = 1
         self._draws: list[bool | None] = [None] * len(layers)
@@ -129,6 +134,7 @@ class ChunkRunner:
         self._stash.clear()
         self._weights.clear()
         self._replays.clear()
+        self._split.begin_step()
         self._seed_base = seed_base
         self._microbatches = microbatches
         self._draws = [True if self._surprised else None] * len(self.layers)
@@ -227,7 +233,7 @@ class ChunkRunner:
             # The caller's x (the stash holds views of it) must not be written: the layers get
             # copies, which replace the views in the stash.
             stash.inputs = owned_copy(stash.inputs)
-        with recording, self._statistics(first):
+        with recording, self._statistics(first), self._split.forwarding(microbatch):
             outputs = self._run_layers(microbatch, stash.inputs, owned=self.spec.is_first)
             stash.outputs = flatten(outputs)
             if self.spec.is_last:
@@ -331,17 +337,20 @@ class ChunkRunner:
         """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
+        wanted_inputs = self._wanted_inputs(stash)
+        found: Grads = (None,) * len(wanted_inputs)
         if roots:
             with self.grad_lock if self.grad_lock is not None else nullcontext():
-                self._autograd(microbatch, "B", torch.autograd.backward, roots, root_grads)
+                found = self._autograd(microbatch, "B", self._split.backward, roots, root_grads,
+                                       wanted_inputs, microbatch)
         del self._stash[microbatch]
-        return self._input_grads(stash, {id(t): t.grad for t in self._wanted_inputs(stash)})
+        return self._input_grads(stash, {id(t): g for t, g in zip(wanted_inputs, found)})
 
     def backward_input(self, microbatch: int, grads: Grads | None) -> Grads:
         """The I half of a split backward: input gradients now, weight gradients left for W.
 
-        See ``split_backward``: I runs only the input side of the graph
-        and keeps, at the nodes where parameters' paths leave it, what W needs.
+        See ``split_backward``: Linear layers that defer their own weight gradients
+        record what W needs, and the graph split covers the rest.
         """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
@@ -349,8 +358,8 @@ class ChunkRunner:
         found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted_inputs)
         if roots:
             found, weights = self._autograd(
-                microbatch, "I", backward_input, roots, root_grads or [None] * len(roots),
-                wanted_inputs,
+                microbatch, "I", self._split.backward_input, roots,
+                root_grads or [None] * len(roots), wanted_inputs, microbatch,
             )
             self._weights[microbatch] = weights
             if self.tracker is not None:

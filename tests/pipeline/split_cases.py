@@ -2,10 +2,12 @@
 
 Each case is a float64 model, a batch, a loss and a cut that puts the layer in
 question inside a chunk (and, for repeated outputs, across a stage boundary too).
-``sweep`` runs every case under the split schedules (and 1F1B as a control) and
-every checkpoint mode, and returns per combination the largest gradient
-difference against the unpipelined model (the loss's own parameters included)
-and how often each held parameter's post-accumulate hook fired.
+``sweep`` runs every case under the split schedules (and 1F1B as a control),
+every checkpoint mode and both split paths (the graph split; Linear layers that
+defer their own weight gradients, every one of them, with the graph split for the
+rest), and returns per combination the largest gradient difference against the
+unpipelined model (the loss's own parameters included), how often each held
+parameter's post-accumulate hook fired, and how many layers the split switched.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zoo
 from zoo_workers import CHUNKS, MODES, Runtime
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb", "zb-v", "v-half", "v-min", "dualpipe-v")
+PATHS = ("graph", "layers")  # Pipe(split_backward=...): the graph split, Linear layers deferring
 WIDTH, ROWS = 8, 12
 Row = dict[str, Any]
 
@@ -113,6 +116,29 @@ class HookedOutputs(nn.Module):
         return h
 
 
+class TiedEmbedding(nn.Module):
+    """A soft embedding that reads a head's weight (the tie of a language model's head)."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        super().__init__()
+        self.weight = head.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        classes = self.weight.shape[0]
+        return h + torch.softmax(h[:, :classes], -1) @ self.weight
+
+
+class Twice(nn.Module):
+    """One Linear called twice in a forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
 class Norms(nn.Module):
     """A LayerNorm and a GroupNorm (``hook_norms`` hooks their parameters)."""
 
@@ -187,6 +213,17 @@ def _shared_block_model() -> nn.Sequential:
                          nn.Linear(WIDTH, 3))
 
 
+def _tied_head_model() -> nn.Sequential:
+    head = nn.Linear(WIDTH, 3)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+                         TiedEmbedding(head), nn.Linear(WIDTH, WIDTH), head)
+
+
+def _twice_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Twice(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         Twice(), nn.Linear(WIDTH, 3))
+
+
 def _reentrant_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), Reentrant(), Reentrant(), nn.Linear(WIDTH, WIDTH),
                          Reentrant(), nn.Linear(WIDTH, 3))
@@ -216,6 +253,8 @@ CASES = {
     "loss with a parameter": Case(_mlp, TemperatureLoss, (3, 3), (3, 1, 1, 1)),
     "reentrant checkpoint": Case(_reentrant_model, nn.CrossEntropyLoss, (3, 3), (2, 2, 1, 1)),
     "hooked outputs": Case(_hooked_outputs_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "tied head in a chunk": Case(_tied_head_model, nn.CrossEntropyLoss, (4, 3), (2, 1, 1, 3)),
+    "a Linear called twice": Case(_twice_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
     "hooked norm parameters": Case(_hooked_norms_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1),
                                    hooks=hook_norms),
 }
@@ -251,7 +290,7 @@ def _hooked(model: nn.Module) -> dict[str, list[int]]:
     return fired
 
 
-def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
+def run_case(runtime: Runtime, name: str, schedule: str, mode: str, path: str = "graph") -> Row:
     """One step of one case: gradient errors against the plain model, and hook counts."""
     from schedules import get_schedule
 
@@ -266,7 +305,7 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
     loss_fn.zero_grad(set_to_none=True)
     per_stage = get_schedule(schedule, 2, CHUNKS).chunks // 2
     balance = list(case.balance if per_stage == 1 else case.balance_v)
-    pipe = runtime.pipe(trained, schedule, mode, loss_fn, balance=balance)
+    pipe = runtime.pipe(trained, schedule, mode, loss_fn, balance=balance, split_backward=path)
     if case.hooks is not None:
         case.hooks(trained)
     fired = _hooked(trained)
@@ -279,6 +318,7 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str) -> Row:
         "hooks": sorted({count[0] for count in fired.values()}),
         "tensor_hooks": sorted(set(hook_calls(trained))),
         "reference_tensor_hooks": sorted(set(hook_calls(reference))),
+        "switched": sum("forward" in module.__dict__ for module in trained.modules()),
     }
 
 
@@ -289,18 +329,21 @@ def _rank() -> int:
 
 
 def sweep(distributed: bool) -> list[Row]:
-    """Every case x split schedule x checkpoint mode; a failure is a row, never an abort."""
+    """Every case x split schedule x checkpoint mode x split path; a failure is a row,
+    never an abort."""
     runtime = Runtime(distributed)
     rows = []
     for name in CASES:
         for schedule in SCHEDULES:
             for mode in MODES:
-                row: Row = {"case": name, "schedule": schedule, "mode": mode, "error": None}
-                try:
-                    row.update(run_case(runtime, name, schedule, mode))
-                except Exception as error:  # noqa: BLE001 - reported per combination
-                    row["error"] = zoo.failure_text(error)
-                rows.append(row)
+                for path in PATHS:
+                    row: Row = {"case": name, "schedule": schedule, "mode": mode, "path": path,
+                                "error": None}
+                    try:
+                        row.update(run_case(runtime, name, schedule, mode, path))
+                    except Exception as error:  # noqa: BLE001 - reported per combination
+                        row["error"] = zoo.failure_text(error)
+                    rows.append(row)
     return rows
 
 

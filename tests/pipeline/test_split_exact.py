@@ -4,8 +4,11 @@ Per case (``split_cases``): outputs that repeat, ``(h, h)``, or derive from one
 another, ``(h, h.mean(1))``; a weight tied between two layers of one chunk; one
 block instance at three positions (ALBERT-style); a loss with a learnable
 temperature; a reentrant checkpoint; tensor hooks on layer outputs where the
-split captures their gradient and on norm parameters. Every split schedule (1F1B as the control) and every checkpoint
-mode: each held gradient, the loss's parameter included, equals the unpipelined
+split captures their gradient and on norm parameters; a head whose weight a soft
+embedding in the same chunk reads; a Linear called twice. Every split schedule
+(1F1B as the control), every checkpoint mode and both split paths (the graph
+split, and Linear layers deferring their own weight gradients with the graph split
+for the rest): each held gradient, the loss's parameter included, equals the unpipelined
 model's to 1e-10, and every parameter's post-accumulate hook fires once per
 micro-batch, as it does in a plain backward per micro-batch; so does each
 tensor hook.
@@ -39,7 +42,7 @@ def _problems(runtime: str, case: str, check: Any) -> list[str]:
         for row in rows:
             if row["case"] != case:
                 continue
-            where = f"rank {rank} {row['schedule']} checkpoint={row['mode']}"
+            where = f"rank {rank} {row['schedule']} checkpoint={row['mode']} {row['path']}"
             if row["error"] is not None:
                 problems.append(f"{where}: {row['error']}")
             elif (trouble := check(row)) is not None:
@@ -62,7 +65,9 @@ def test_gradients_equal_the_plain_models(runtime: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-@pytest.mark.parametrize("case", ["loss with a parameter", "hooked norm parameters"])
+@pytest.mark.parametrize("case", ["loss with a parameter", "hooked norm parameters",
+                                  "weight tied in a chunk", "tied head in a chunk",
+                                  "a Linear called twice"])
 def test_post_accumulate_hooks_fire_once_per_microbatch(runtime: str, case: str) -> None:
     def once_each(row: dict[str, Any]) -> str | None:
         return None if row["hooks"] == [CHUNKS] else f"hooks fired {row['hooks']} times"
@@ -82,6 +87,18 @@ def test_tensor_hooks_run_once_per_microbatch(runtime: str, case: str) -> None:
         return None if row["tensor_hooks"] == [CHUNKS] else f"tensor hooks ran {row['tensor_hooks']} times"
 
     assert _problems(runtime, case, once_each) == []
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_the_layers_path_switches_linear_layers_under_split_schedules(runtime: str) -> None:
+    """Else the layers rows would be graph rows again: every held chunk of a split schedule
+    switches its Linear layers at its first I; the graph path and 1F1B never do."""
+    def switched(row: dict[str, Any]) -> str | None:
+        wanted = row["path"] == "layers" and row["schedule"] != "1f1b"
+        return None if (row["switched"] > 0) == wanted else f"{row['switched']} layers switched"
+
+    assert [problem for case in split_cases.CASES
+            for problem in _problems(runtime, case, switched)] == []
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipe-v"])

@@ -1,0 +1,245 @@
+"""One chunk's split backward: Linear layers defer their own weight gradients, the graph split does the rest.
+
+Per chunk, the first I switches its Linear layers on (``install``): from then on,
+while the chunk runs a forward with a graph, each of them whose weight gradient is
+worth moving (``"auto"``: an estimated ``rows x in x out`` multiply-adds of at
+least ``MIN_PRODUCT``; ``"layers"``: every one) runs ``deferred_linear`` instead
+of its own forward. A micro-batch whose forward deferred something has an I that
+is one plain engine call (weight gradients of everything else included: norms,
+embeddings, small layers) and a W that is the recorded products. Everything the
+layers do not cover goes through the exact graph split
+(``split_backward.graph_split``), chosen per micro-batch:
+
+- a forward that deferred nothing (before the first I, a chunk without such
+  layers, ``"graph"``);
+- a graph in which a deferred parameter is also used otherwise (a tied head read
+  by an embedding in the same chunk, ``x @ linear.weight.t()``): a plain I would
+  accumulate that other use's share in I and W would accumulate again, so hooks
+  would fire twice. The graph split leaves that share for W, and the recorded
+  products join it there, in the one engine call. The graph is read once per set
+  of deferred parameters, on the first micro-batch that shows it.
+
+Which layers can defer: an ``nn.Linear`` whose class keeps Linear's own forward, without
+parametrizations, whose weight is a leaf of plain ``Parameter`` type (not a DTensor, not
+set by a hook), outside a ``torch.compile``d module and in a chunk without FSDP
+modules: everything else stays as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from typing import Literal, TypeVar, get_args
+
+import torch
+from torch import nn
+from torch.autograd.graph import Node, get_gradient_edge
+from torch.nn.utils import parametrize
+
+from split_backward.deferred_linear import Record, Records, deferred_linear
+from split_backward.graph_split import (
+    Grads,
+    WeightGradients,
+    backward_input,
+    whole_backward,
+)
+
+SplitMode = Literal["auto", "layers", "graph"]
+SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
+
+# Below this many multiply-adds, a Linear's weight gradient costs less than deferring it
+# (a custom Function in the forward, a Python backward, a record): it stays native.
+MIN_PRODUCT = 2**18
+
+_T = TypeVar("_T")
+_ACTIVE: ContextVar[ChunkSplit | None] = ContextVar("split_backward_active", default=None)
+
+
+class _LinearForward:
+    """An installed Linear's ``forward``: deferred inside its chunk's split, else Linear's own.
+
+    Holds nothing but the module, so the module still copies, pickles and saves as before.
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        split = _ACTIVE.get()
+        module = self.module
+        if split is not None and torch.is_grad_enabled() and split.defers(module, input):
+            parameters = module._parameters
+            return deferred_linear(input, parameters["weight"], parameters["bias"], split.record)
+        return nn.Linear.forward(module, input)
+
+
+def _deferrable(name: str, module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and not parametrize.is_parametrized(module)
+            and "_orig_mod" not in name.split("."))  # inside a compiled module
+
+
+def _plain_leaf(tensor: torch.Tensor | None) -> bool:
+    return tensor is None or (type(tensor) is nn.Parameter and tensor.grad_fn is None)
+
+
+def _sharded(layers: nn.Module) -> bool:
+    return any(cls.__name__ == "FSDPModule" for module in layers.modules()
+               for cls in type(module).__mro__)
+
+
+def check_mode(mode: object) -> SplitMode:
+    """``mode`` if it names a split, else a ValueError naming the choices."""
+    if mode == "auto" or mode == "layers" or mode == "graph":
+        return mode
+    raise ValueError(f"split_backward must be one of {', '.join(map(repr, SPLIT_MODES))}, "
+                     f"got {mode!r}")
+
+
+class ChunkSplit:
+    """The split backward of one chunk's layers, chosen per micro-batch (see the module)."""
+
+    def __init__(self, layers: nn.Module, mode: SplitMode = "auto") -> None:
+        self.mode = check_mode(mode)
+        self.records = Records()  # what the deferred calls recorded in the running backward
+        self._layers = layers
+        self._installed = False
+        self._microbatch = 0
+        # micro-batch -> ids of the parameters its forward deferred (a key only where the
+        # forward ran with the layers switched on)
+        self._deferred: dict[int, set[int]] = {}
+        self._whole: dict[frozenset[int], bool] = {}  # deferred parameters -> I may be plain
+
+    @property
+    def installed(self) -> bool:
+        """Whether the chunk's Linear layers are switched on."""
+        return self._installed
+
+    def install(self) -> None:
+        """Switch the chunk's deferrable Linear layers on (once; ``"graph"``: never)."""
+        if self._installed or self.mode == "graph":
+            return
+        self._installed = True
+        if _sharded(self._layers):
+            return  # FSDP's hooks expect weight gradients in the backward: the graph split
+        for name, module in self._layers.named_modules():
+            if _deferrable(name, module) and not isinstance(module.__dict__.get("forward"),
+                                                            _LinearForward):
+                module.forward = _LinearForward(module)
+
+    def begin_step(self) -> None:
+        """Forget what the previous step's forwards deferred."""
+        self._deferred.clear()
+        self.records = Records()
+
+    def record(self, record: Record) -> None:
+        """Called by a deferred layer's backward: its share of W (``deferred_linear``)."""
+        self.records.append(record)
+
+    def defers(self, module: nn.Linear, input: torch.Tensor) -> bool:
+        """Whether this call of ``module`` defers its weight gradient (and note it if so)."""
+        # Read from the module's own parameters, never through ``module.weight``: a
+        # parametrization computes it anew on every read (spectral norm steps its vectors).
+        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+        if weight is None or "bias" not in module._parameters or not weight.requires_grad \
+                or not _plain_leaf(weight) or not _plain_leaf(bias):
+            return False
+        if self.mode == "auto" and input.numel() * weight.shape[0] < MIN_PRODUCT:
+            return False  # rows x in x out multiply-adds
+        deferred = self._deferred.setdefault(self._microbatch, set())
+        deferred.add(id(weight))
+        if bias is not None:
+            deferred.add(id(bias))
+        return True
+
+    @contextmanager
+    def _switched_on(self, microbatch: int) -> Iterator[None]:
+        self._microbatch = microbatch
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    @contextmanager
+    def forwarding(self, microbatch: int) -> Iterator[None]:
+        """Around a forward that keeps its graph for a backward of this chunk."""
+        if not self._installed:
+            yield
+            return
+        self._deferred.setdefault(microbatch, set())
+        with self._switched_on(microbatch):
+            yield
+
+    def _backward(self, microbatch: int, run: Callable[[], _T]) -> tuple[_T, Records]:
+        # The layers are on in the backward exactly where they were in the forward: a
+        # non-reentrant checkpoint's recomputation must save what the forward saved.
+        on = microbatch in self._deferred
+        self.records = Records()
+        with self._switched_on(microbatch) if on else nullcontext():
+            found = run()
+        self._deferred.pop(microbatch, None)
+        records, self.records = self.records, Records()
+        return found, records
+
+    def backward(self, roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor] | None,
+                 inputs: Sequence[torch.Tensor], microbatch: int) -> Grads:
+        """A whole backward (B): weight gradients accumulate, the recorded products too.
+
+        Returns the gradients of ``inputs`` (leaves: their ``.grad``).
+        """
+        deferred = frozenset(self._deferred.get(microbatch, ()))
+        if deferred and not self._plain(deferred, roots):
+            # A deferred parameter used otherwise too: as an I then its W, so that it
+            # accumulates once.
+            seeds: list[torch.Tensor | None] = [None] * len(roots) if root_grads is None \
+                else list(root_grads)
+            found, weights = self.backward_input(roots, seeds, inputs, microbatch)
+            weights.run()
+            return found
+        grads = None if root_grads is None else list(root_grads)
+        _, records = self._backward(microbatch, lambda: torch.autograd.backward(list(roots), grads))
+        if records:
+            WeightGradients([], [], records=records).run()
+        return tuple(t.grad for t in inputs)
+
+    def backward_input(self, roots: Sequence[torch.Tensor],
+                       root_grads: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor],
+                       microbatch: int) -> tuple[Grads, WeightGradients]:
+        """I: the inputs' gradients, and what W needs (switches the layers on for later forwards)."""
+        self.install()
+        deferred = frozenset(self._deferred.get(microbatch, ()))
+
+        def run() -> tuple[Grads, WeightGradients]:
+            if deferred and self._plain(deferred, roots):
+                grads = [torch.ones_like(r) if g is None else g for r, g in zip(roots, root_grads)]
+                return whole_backward(roots, grads, inputs), WeightGradients([], [], keeps_graph=False)
+            return backward_input(roots, root_grads, inputs)
+
+        (found, weights), records = self._backward(microbatch, run)
+        weights.records = records
+        return found, weights
+
+    def _plain(self, deferred: frozenset[int], roots: Sequence[torch.Tensor]) -> bool:
+        """Whether no deferred parameter is reached in the graph but through its layer."""
+        known = self._whole.get(deferred)
+        if known is None:
+            known = self._whole[deferred] = not any(
+                id(getattr(node, "variable", None)) in deferred
+                for node in _nodes(get_gradient_edge(root).node for root in roots))
+        return known
+
+
+def _nodes(roots: Iterator[Node]) -> Iterator[Node]:
+    seen: set[Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        stack.extend(child for child, _ in node.next_functions if child is not None)
