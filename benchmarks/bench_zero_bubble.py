@@ -32,7 +32,8 @@ from typing import Any
 from _spawn import LoadMonitor, run_ranks
 
 WIDTH, HEADS, BLOCKS, ROWS, TOKENS, MICROBATCHES = 128, 4, 4, 32, 64, 8
-SIDES = ("ours 1f1b", "ours zb-h1", "ours zb-v", "torch 1f1b", "torch zb", "torch zbv")
+SIDES = ("ours 1f1b", "ours zb-h1", "ours zb-v", "torch 1f1b", "torch zb", "torch zbv",
+         "ours zb-h1 graph", "ours zb-v graph")  # graph: Pipe(split_backward="graph")
 BARS = {"ours zb-h1": ("ours 1f1b", "torch zb"), "ours zb-v": ("ours 1f1b", "torch zbv"),
         "ours 1f1b": ("torch 1f1b",)}
 
@@ -56,7 +57,7 @@ def make_batch() -> tuple[Any, Any]:
 
 
 class Ours:
-    def __init__(self, rank: int, schedule: str) -> None:
+    def __init__(self, rank: int, schedule: str, split: str = "auto") -> None:
         import torch.distributed as dist
         from torch import nn
 
@@ -64,7 +65,8 @@ class Ours:
 
         self.model = make_model()
         self.pipe = Pipe(self.model, chunks=MICROBATCHES, schedule=schedule, checkpoint="never",
-                         loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+                         loss_fn=nn.MSELoss(), group=dist.group.WORLD,
+                         split_backward=split)  # type: ignore[arg-type]
         x, y = make_batch()
         self.x = x if rank == 0 else None
         self.y = y if self.pipe.schedule.placement[-1] == rank else None
@@ -124,8 +126,8 @@ def side_main(rank: int, world: int, side: str, warmup: int, steps: int) -> dict
     """One side in fresh processes: each step's seconds on this rank, and the gradient norm."""
     import torch.distributed as dist
 
-    owner, schedule = side.split()
-    runner: Any = Ours(rank, schedule) if owner == "ours" else Torch(rank, schedule)
+    owner, schedule, *split = side.split()
+    runner: Any = Ours(rank, schedule, *split) if owner == "ours" else Torch(rank, schedule)
     times = []
     for index in range(warmup + steps):
         dist.barrier()

@@ -324,9 +324,11 @@ def split_part(report: Report, dry: bool) -> None:
     def run() -> None:
         for name in stages:
             t = measure(name, repeat, warmup, device="cpu" if dry else "cuda:0")
-            ours, theirs = (t["I"] + t["W"]) / t["B"], (t["torch I"] + t["torch W"]) / t["B"]
-            report.line("split", f"{name}: B {t['B'] * 1e3:.3f} ms, I {t['I'] * 1e3:.3f}, "
-                                 f"W {t['W'] * 1e3:.3f}: (I+W)/B {ours:.2f} (bar {BARS[name]:.2f}), "
+            ours, graph = ((t[f"{path} I"] + t[f"{path} W"]) / t["B"] for path in ("auto", "graph"))
+            theirs = (t["torch I"] + t["torch W"]) / t["B"]
+            report.line("split", f"{name}: B {t['B'] * 1e3:.3f} ms, I {t['auto I'] * 1e3:.3f}, "
+                                 f"W {t['auto W'] * 1e3:.3f}: (I+W)/B {ours:.2f} (bar {BARS[name]:.2f}), "
+                                 f"W/B {t['auto W'] / t['B']:.2f}, graph split's {graph:.2f}, "
                                  f"torch's {theirs:.2f}")
 
     seconds = min(report.left(), 120.0)

@@ -64,11 +64,15 @@ class DeferredLinear(torch.autograd.Function):
         # output still has a backward in which to record.
         weight, bias = parameters
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        x_used, weight_used, bias_used = _cast(x, dtype), _cast(weight, dtype), _cast(bias, dtype)
-        assert x_used is not None and weight_used is not None
-        with torch.autocast(device, enabled=False):
-            out = functional.linear(x_used, weight_used, bias_used)
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x_used, weight_used = _cast(x, dtype), _cast(weight, dtype)
+            assert x_used is not None and weight_used is not None
+            with torch.autocast(device, enabled=False):
+                out = functional.linear(x_used, weight_used, _cast(bias, dtype))
+        else:  # the common case: no context manager to enter (microseconds a call)
+            x_used, weight_used = x, weight
+            out = functional.linear(x, weight, bias)
         ctx.save_for_backward(x_used, weight_used)
         ctx.parameters = parameters
         ctx.record = record
