@@ -28,10 +28,24 @@ TESTS = Path(__file__).resolve().parent
 # Names whose use means another process: the spawn harness, subprocesses, notebook kernels.
 PROCESS_NAMES = frozenset({"run_ranks", "run_ranks_raw", "subprocess", "nbclient"})
 
-# Single-process tests that each took several seconds on 2 loaded cores (pytest
-# --durations), by file name and test name so that they survive a move to another folder.
-# Remeasure with:  pytest -m "not slow" -p no:randomly --durations=30
+# Single-process tests that took 4 s or more (all their cases) on 2 loaded cores: sweeps,
+# fuzzing, torch.compile, real Hugging Face models. By file and test name, so that they
+# survive a move to another folder. Remeasure with
+#   pytest -m "not slow" -p no:randomly --durations=0
 MEASURED = frozenset({
+    "test_plan.py::test_the_pick_is_the_fastest_that_fits",  # 47 s
+    "test_comm.py::test_every_registered_schedule_gets_a_plan_that_validates",  # 26-53 s
+    "test_plan.py::test_an_impossible_limit_names_the_smallest_that_fits",  # 18 s
+    # about 10 s a case when they pass (a traced GPT-2 and Llama, 20 cases)
+    "test_traced_exact.py::test_loss_and_gradients_equal_the_plain_model",
+    "test_traced_exact.py::test_the_default_cut_is_prologue_blocks_epilogue",  # 4-10 s
+    "test_traced_exact.py::test_dropout_gives_one_result_across_schedules_cuts_and_modes",
+    "test_traced_errors.py::test_sizes_the_model_guards_are_named",  # 5-7 s
+    "test_traced_planning.py::test_time_balance_memory_report_and_predict",  # 4 s
+    "test_v_shape.py::test_peak_activations_within_the_bar",  # 9 s
+    "test_wire.py::test_random_headers_decode_within_the_limit_or_are_refused",  # 7 s
+    "test_split_exact.py::test_compiled_blocks_stay_exact_under_split_schedules",  # 6 s
+    "test_cli.py::test_auto_plans_for_sharded_replicas",  # 6 s
 })
 
 
@@ -55,8 +69,8 @@ def _measured(item: pytest.Item) -> bool:
 
 
 def _functions_of(item: pytest.Item) -> Iterator[Callable[..., Any]]:
-    """The test function and the functions of the fixtures it uses, by argument or by a
-    parameter naming one (``request.getfixturevalue(name)``)."""
+    """The test function and the functions of the fixtures it uses: by argument, or by a
+    name in its code or its parameters (``request.getfixturevalue(name)``)."""
     function = getattr(item, "function", None)
     if function is None:  # a doctest: it runs in this process
         return
@@ -66,10 +80,14 @@ def _functions_of(item: pytest.Item) -> Iterator[Callable[..., Any]]:
         for definition in definitions:
             yield definition.func
     callspec = getattr(item, "callspec", None)
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    named = {value for value in (callspec.params.values() if callspec is not None else ())
+             if isinstance(value, str)}
+    named.update(_strings(code) if code is not None else ())
     manager = item.session._fixturemanager
-    for value in (callspec.params.values() if callspec is not None else ()):
-        if isinstance(value, str):
-            for definition in manager.getfixturedefs(value, item) or ():
+    for name in named:
+        if name.isidentifier():
+            for definition in manager.getfixturedefs(name, item) or ():
                 yield definition.func
 
 
@@ -97,6 +115,14 @@ def _names(code: types.CodeType) -> Iterator[str]:
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):  # nested functions, lambdas, comprehensions
             yield from _names(constant)
+
+
+def _strings(code: types.CodeType) -> Iterator[str]:
+    for constant in code.co_consts:
+        if isinstance(constant, str):
+            yield constant
+        elif isinstance(constant, types.CodeType):
+            yield from _strings(constant)
 
 
 def _is_test_code(code: types.CodeType) -> bool:

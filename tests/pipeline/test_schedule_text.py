@@ -63,9 +63,12 @@ def check_exact(schedule: object, microbatches: int) -> Pipe:
     return pipe
 
 
-@pytest.mark.parametrize("text", [LOOP, V_SHAPE], ids=["loop", "v"])
-def test_a_hand_written_timetable_runs_with_the_plain_models_gradients(text: str) -> None:
-    expected = Schedule.parse(text)
+@pytest.mark.parametrize(("text", "written"), [
+    (LOOP, LOOP), (V_SHAPE, V_SHAPE), (to_csv(Schedule.parse(V_SHAPE)), V_SHAPE),
+], ids=["loop", "v", "v-as-csv"])
+def test_a_hand_written_timetable_runs_with_the_plain_models_gradients(text: str,
+                                                                       written: str) -> None:
+    expected = Schedule.parse(written)
     pipe = check_exact(text, expected.microbatches)
     assert pipe.schedule.order == expected.order
     assert pipe.schedule.placement == expected.placement
