@@ -37,11 +37,12 @@ def test_every_public_name_is_documented() -> None:
     import partitioners
     import pipeline
     import schedules
+    import units
 
     text = API.read_text(encoding="utf-8")
     missing = [
         f"{package.__name__}.{name}"
-        for package in (schedules, partitioners, pipeline)
+        for package in (schedules, units, partitioners, pipeline)
         for name in package.__all__
         if f"`{name}" not in text
     ]
@@ -72,7 +73,7 @@ def test_the_readme_quickstart_runs_and_its_images_exist() -> None:
 def test_the_architecture_names_every_module() -> None:
     page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     missing = []
-    for package in ("schedules", "split_backward", "partitioners", "pipeline"):
+    for package in ("schedules", "units", "split_backward", "partitioners", "pipeline"):
         for path in sorted((ROOT / package).rglob("*.py")):
             if path.name == "__init__.py":
                 continue

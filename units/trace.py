@@ -1,10 +1,12 @@
 """Capture a model's forward once as a graph (``torch.export``), sizes left dynamic.
 
-Every dimension of every tensor input is ``Dim.AUTO``: export keeps a dimension symbolic
-unless the model's code fixes it, and records a guard where the code branches on a size,
-so another batch size or sequence length runs the same graph or is refused by that guard,
-never run down a branch frozen for the traced size. Sizes are traced "size-oblivious", so
-that a traced batch of 8 rows also runs micro-batches of one row.
+Every dimension of every tensor input is ``Dim.AUTO`` (but those of size one in the sample,
+which stay one: that is how inputs broadcast): export keeps a dimension symbolic unless the
+model's code fixes it, and records a guard where the code branches on a size, so another
+batch size or sequence length runs the same graph or is refused by that guard, never run
+down a branch frozen for the traced size. Sizes are traced "size-oblivious", so that a
+traced batch of 8 rows also runs micro-batches of one row (a sample of one row fixes the
+batch at one: trace with more).
 
 Why ``ep.module()`` and not ``torch.export.unflatten``: the former runs on the model's own
 ``Parameter`` objects (so an optimizer built on ``model.parameters()`` trains what runs),
@@ -119,10 +121,12 @@ def _export(model: nn.Module, sample: Any, training: bool
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``Dim.AUTO`` on every dimension of every tensor argument, by the forward's names."""
+    """``Dim.AUTO`` on every dimension of every tensor argument, by the forward's names,
+    but those of size one: a size-one dimension is how inputs broadcast (a ``(rows, 1)``
+    scale), and traced size-obliviously it could not."""
     def auto(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return {dim: Dim.AUTO for dim in range(leaf.dim())}
+            return {dim: Dim.AUTO for dim in range(leaf.dim()) if leaf.shape[dim] != 1}
         return None
 
     try:
