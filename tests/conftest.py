@@ -42,6 +42,7 @@ MEASURED = frozenset({
     "test_traced_exact.py::test_dropout_gives_one_result_across_schedules_cuts_and_modes",
     "test_traced_errors.py::test_sizes_the_model_guards_are_named",  # 5-7 s
     "test_traced_planning.py::test_time_balance_memory_report_and_predict",  # 4 s
+    "test_traced_checkpoints.py::test_a_pipeline_checkpoint_loads_into_the_plain_model_and_back",
     "test_v_shape.py::test_peak_activations_within_the_bar",  # 9 s
     "test_wire.py::test_random_headers_decode_within_the_limit_or_are_refused",  # 7 s
     "test_split_exact.py::test_compiled_blocks_stay_exact_under_split_schedules",  # 6 s
