@@ -29,7 +29,8 @@ from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.balancing import resolve_balance
 from pipeline.setup.coordination import choose_plan, replicas_of
-from pipeline.setup.options import (build_schedule, check_model, check_positive,
+from pipeline.setup.options import (build_schedule, check_deferred_norms, check_model,
+                                    check_positive,
                                     chunks_per_stage, count_stages, resolve_devices,
                                     sequential_of)
 
@@ -180,6 +181,7 @@ class Pipe(ModelLike):
         self.checkpoint = check_mode("except_last" if checkpoint is None else checkpoint)
         self.loss_fn = loss_fn
         self._loss_rule = loss_rule(loss_fn, loss_count)
+        check_deferred_norms(self._traced, self.model, deferred_batch_norm)
         self._options = ChunkOptions(
             self.checkpoint,
             self._loss_rule.function if self._loss_rule is not None else None,

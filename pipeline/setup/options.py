@@ -35,6 +35,28 @@ def check_model(model: Any) -> nn.Module:
     return model
 
 
+def check_deferred_norms(traced: Any, sequential: nn.Sequential, deferred: bool) -> None:
+    """Refuse ``deferred_batch_norm=True`` for a traced model holding BatchNorm layers: a
+    traced graph calls ``batch_norm`` itself, never the layer's forward, where the deferred
+    statistics are gathered (it would update them per micro-batch, silently).
+
+    Raises:
+        ValueError: such a model and option.
+    """
+    if traced is None or not deferred:
+        return
+    norms = [name for name, module in sequential.named_modules()
+             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        raise ValueError(
+            f"deferred_batch_norm=True updates BatchNorm statistics from the layers' own "
+            f"forward, which a traced model does not call ({len(norms)} BatchNorm layers, "
+            f"e.g. {norms[0].split('.', 1)[1]!r}); leave it off (each micro-batch counts "
+            f"once, as in the plain model run micro-batch by micro-batch), or give the Pipe "
+            f"an nn.Sequential of your blocks"
+        )
+
+
 def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequential, Any]:
     """What the pipeline runs: an nn.Sequential as it is, any other module traced with
     ``sample`` and cut into units (``units.cut_model``); and the ``TracedModel`` or None.

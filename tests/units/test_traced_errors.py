@@ -135,3 +135,52 @@ def test_sizes_the_model_guards_are_named() -> None:
         one_token, labels = tokens(length=1, pad=0)
         with pytest.raises(StageError, match=r"Guard failed: input_ids.size\(\)\[1\] != 1"):
             pipe.step(one_token, labels)
+
+
+class NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.linear(h)))
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.blocks = nn.ModuleList(NormBlock() for _ in range(3))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode", ["never", "always", "except_last"])
+def test_batch_norm_in_a_traced_model_counts_each_micro_batch_once(mode: str) -> None:
+    """As the plain model run micro-batch by micro-batch: statistics and gradients."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Normed()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    with _pipe(model, x, checkpoint=mode) as pipe:
+        pipe.step(x, y)
+    for part, target in zip(x.chunk(2), y.chunk(2)):
+        (mse(plain(part), target) / 2).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < 1e-12, name
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_deferred_batch_norm_is_refused_for_a_traced_model() -> None:
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"deferred_batch_norm=True .* a traced model does not "
+                                         r"call \(3 BatchNorm layers, e.g. 'blocks.0.norm'\)"):
+        _pipe(Normed(), x, deferred_batch_norm=True)
