@@ -44,9 +44,9 @@ def side_main(rank: int, world: int, model: str, side: str, schedule: str, micro
         if os.environ.get("BENCH_YIELD") is not None:  # an experiment: yield after sends or not
             runner.pipe._runner.transport.yield_after_send = os.environ["BENCH_YIELD"] == "1"
         if os.environ.get("BENCH_LOOKAHEAD") is not None:  # receives posted ahead, at least
-            runner.pipe._runner.transport.lookahead = int(os.environ["BENCH_LOOKAHEAD"])
+            runner.pipe._runner.transport.receives.lookahead = int(os.environ["BENCH_LOOKAHEAD"])
         if os.environ.get("BENCH_AHEAD_BYTES") is not None:  # and more within these bytes
-            runner.pipe._runner.transport.ahead_bytes = int(os.environ["BENCH_AHEAD_BYTES"])
+            runner.pipe._runner.transport.receives.ahead_bytes = int(os.environ["BENCH_AHEAD_BYTES"])
     for _ in range(warmup):
         timed_between_barriers(runner.step)
     meter.reset()

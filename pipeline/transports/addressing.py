@@ -1,5 +1,6 @@
-"""How gloo messages are addressed: each message's tag, and a stage's share of a comm plan
-(its receives, its sends and the channel of each), resolved once per plan."""
+"""How gloo messages are addressed: each message's tag, and a stage's routes in a comm plan
+(its receives in order, its sends, each with its peer, channel and tags), resolved once per
+plan."""
 
 from __future__ import annotations
 
@@ -20,33 +21,62 @@ def message_tag(key: ActionKey, chunks: int, second: bool) -> int:
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One stage's part of a comm plan, resolved once: its receives in order (key, source),
-    their sources, its sends (key, destination), and each message's channel, by
-    (key, peer stage), as the plan sets it."""
+class Route:
+    """One message between this stage and ``peer``: the channel the plan puts it on and its
+    gloo tags (``tag``; ``second_tag`` for the full message after a notice)."""
+
+    key: ActionKey
+    peer: int
+    channel: int
+    tag: int
+    second_tag: int
+
+
+@dataclass(frozen=True)
+class StageRoutes:
+    """One stage's routes in a comm plan, resolved once: its receives in the order of use,
+    its sends, and every route by (key, peer stage)."""
 
     plan: CommPlan  # kept, so that its id is never reused while cached
-    receives: tuple[tuple[ActionKey, int], ...]
-    sources: dict[ActionKey, int]
-    sends: tuple[tuple[ActionKey, int], ...]
-    channels: dict[tuple[ActionKey, int], int]
+    stage: int
+    receives: tuple[Route, ...]
+    sends: tuple[Route, ...]
+    by_peer: dict[tuple[ActionKey, int], Route]
+
+    def route(self, key: ActionKey, peer: int) -> Route:
+        """The route of ``key`` between this stage and stage ``peer``.
+
+        Raises:
+            ValueError: the plan exchanges no such message with ``peer``.
+        """
+        found = self.by_peer.get((key, peer))
+        if found is None:
+            raise ValueError(f"stage {self.stage} has no {key[0].value}{key[1]}@c{key[2]} to "
+                             f"exchange with stage {peer} in this step's comm plan")
+        return found
 
 
-def resolve_stage_plan(plan: CommPlan, stage: int, known_channels: Collection[int]) -> StagePlan:
-    """``stage``'s part of ``plan``.
+def resolve_routes(plan: CommPlan, stage: int, chunks: int, known_channels: Collection[int]
+                   ) -> StageRoutes:
+    """``stage``'s routes in ``plan``, for a model of ``chunks`` chunks.
 
     Raises:
         ValueError: the plan puts a message of ``stage`` on a channel not in
             ``known_channels`` (those the transport has a process group for).
     """
     receives, sends = plan.receives(stage), plan.sends(stage)
-    channels = {(op.key, op.peer): op.channel for op in (*receives, *sends)}
-    unknown = sorted(set(channels.values()) - set(known_channels))
+    unknown = sorted({op.channel for op in (*receives, *sends)} - set(known_channels))
     if unknown:
         raise ValueError(
             f"the comm plan ({plan.strategy}) puts messages of stage {stage} on channel(s) "
             f"{unknown}, but the gloo transport has process groups for channels "
             f"{sorted(known_channels)} only")
-    incoming = tuple((op.key, op.peer) for op in receives)
-    return StagePlan(plan, incoming, dict(incoming),
-                     tuple((op.key, op.peer) for op in sends), channels)
+
+    def route(key: ActionKey, peer: int, channel: int) -> Route:
+        return Route(key, peer, channel, message_tag(key, chunks, False),
+                     message_tag(key, chunks, True))
+
+    incoming = tuple(route(op.key, op.peer, op.channel) for op in receives)
+    outgoing = tuple(route(op.key, op.peer, op.channel) for op in sends)
+    by_peer = {(found.key, found.peer): found for found in (*incoming, *outgoing)}
+    return StageRoutes(plan, stage, incoming, outgoing, by_peer)

@@ -11,8 +11,9 @@ of the buffer. A failure's header carries the error's text instead of shapes.
 
 Headers are written and read here only: the transports build them
 (``encode_header``, ``encode_failure``, ``write_notice``, ``failure_message``) and
-check them (``check_status``, ``decode_header``) through these functions and never
-touch a slot themselves.
+check them (``check_status``, ``decode_header``, or a ``MessageReader`` that does both
+and views the tensors, in one call) through these functions and never touch a slot
+themselves.
 
 Every field read from a header is checked against its bounds (``HeaderError``):
 a corrupt or hostile header must not allocate terabytes or read past its message. A
@@ -27,7 +28,7 @@ call (a validation pass that one rank ran alone) refuses the message
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Hashable, Sequence
 
 import torch
 
@@ -258,6 +259,58 @@ def unpack(buffer: torch.Tensor, metas: Metas) -> tuple[torch.Tensor, ...]:
         tensors.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
         offset += _aligned(nbytes)
     return tuple(tensors)
+
+
+class MessageReader:
+    """Reads the messages one stage receives, each in one call: the header's status and call
+    checked, its structure decoded and bounds-checked (once per distinct header of each
+    message: a header that repeats byte for byte is not decoded again), the tensors viewed
+    in the buffer.
+
+    Args:
+        stage: the receiving stage (for error messages).
+        rank: the receiving rank (a message of another call is its fault to report).
+        limit: the largest message a header may announce.
+    """
+
+    def __init__(self, stage: int, rank: int, limit: int = MAX_MESSAGE_BYTES) -> None:
+        self.stage = stage
+        self.rank = rank
+        self.limit = limit
+        self._decoded: dict[Hashable, tuple[bytes, int, Metas]] = {}
+
+    def read(self, buffer: torch.Tensor, message: Hashable, call: int, sender: int
+             ) -> tuple[int, int, Metas, tuple[torch.Tensor, ...]]:
+        """``(status, kind, metas, tensors)`` of the uint8 ``buffer`` that rank ``sender``
+        sent during ``call``; ``message`` names it for the decoding cache. A notice (status
+        ``NEXT``) has no tensors: its message follows (``view`` it).
+
+        Raises:
+            PeerError: a failure's header, or a message of another call (``check_status``).
+            HeaderError: a corrupt header, or fewer bytes than it announces.
+        """
+        header = header_of(buffer)
+        status = check_status(header, call, self.stage, sender, self.rank, (OK, NEXT))
+        raw = structure_bytes(header)  # the same every call
+        last = self._decoded.get(message)
+        if last is not None and last[0] == raw:
+            kind, metas = last[1], last[2]
+        else:
+            kind, metas = decode_header(header, self.limit)
+            self._decoded[message] = (raw, kind, metas)
+        return status, kind, metas, (() if status == NEXT else self.view(buffer, metas))
+
+    @staticmethod
+    def view(buffer: torch.Tensor, metas: Metas) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``metas`` in ``buffer``.
+
+        Raises:
+            HeaderError: ``buffer`` is shorter than the message ``metas`` announce.
+        """
+        size = message_size(metas)
+        if buffer.numel() < size:
+            raise HeaderError(f"{buffer.numel()} bytes arrived for a header announcing {size}")
+        return unpack(buffer, metas)
 
 
 class BufferPool:
