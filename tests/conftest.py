@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -56,17 +57,21 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "pytest -m 'not slow' is the quick tier")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: dict[int, bool] = {}
+    matched: set[str] = set()
     for item in items:
-        if _measured(item) or any(_starts_processes(function, seen)
-                                  for function in _functions_of(item)):
+        key = f"{Path(str(item.fspath)).name}::{getattr(item, 'originalname', item.name)}"
+        measured = key in MEASURED
+        if measured:
+            matched.add(key)
+        if measured or any(_starts_processes(function, seen) for function in _functions_of(item)):
             item.add_marker(pytest.mark.slow)
-
-
-def _measured(item: pytest.Item) -> bool:
-    name = getattr(item, "originalname", item.name)
-    return f"{Path(str(item.fspath)).name}::{name}" in MEASURED
+    # A renamed test or file would leave the quick tier silently: say so on a full run.
+    if config.args_source is pytest.Config.ArgsSource.TESTPATHS and MEASURED - matched:
+        warnings.warn(pytest.PytestConfigWarning(
+            f"tests/conftest.py MEASURED names tests that were not collected: "
+            f"{sorted(MEASURED - matched)}"), stacklevel=1)
 
 
 def _functions_of(item: pytest.Item) -> Iterator[Callable[..., Any]]:
