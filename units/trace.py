@@ -68,7 +68,67 @@ def _fingerprint(model: nn.Module, sample: Any, training: bool) -> Any:
                      *model.named_buffers(remove_duplicate=False)])
     ties = tuple(sorted(_ties(model)))
     config = repr(getattr(model, "config", None))
-    return (training, str(structure), described, modules, tensors, ties, config)
+    return (training, str(structure), described, modules, tensors, ties, config,
+            hook_signature(model))
+
+
+def hook_signature(model: nn.Module) -> tuple[Any, ...]:
+    """The hooks a trace depends on: each module's forward (pre-)hooks, which the graph
+    keeps as they were at the trace, and the global ones."""
+    from torch.nn.modules import module as module_hooks
+
+    found: list[Any] = []
+    for name, module in model.named_modules():
+        hooks = (tuple(map(id, module._forward_pre_hooks.values())),
+                 tuple(map(id, module._forward_hooks.values())))
+        if any(hooks):
+            found.append((name, hooks))
+    global_hooks = tuple(tuple(map(id, table.values())) for table in (
+        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks))
+    return tuple(found), global_hooks
+
+
+def _check_no_backward_hooks(model: nn.Module) -> None:
+    """A graph runs a module's ops, never the module: backward hooks on a module would not
+    run, so they are refused rather than silently dropped."""
+    from torch.nn.modules import module as module_hooks
+
+    hooked = [name or type(model).__name__ for name, module in model.named_modules()
+              if module._backward_hooks or module._backward_pre_hooks]
+    if module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks:
+        hooked.append("(global module backward hooks)")
+    if hooked:
+        raise TraceError(
+            f"{type(model).__name__} has module backward hooks on {hooked[:4]}, which a traced "
+            f"graph does not run (it calls the modules' ops, not the modules): register "
+            f"tensor hooks on parameters instead (they run), or give the Pipe an "
+            f"nn.Sequential of your blocks"
+        )
+
+
+@contextlib.contextmanager
+def _refusing_tensor_hooks(model: nn.Module) -> Iterator[None]:
+    """A forward that registers a tensor hook (``h.register_hook(...)``) would lose it in
+    the graph, silently: while tracing, such a call is an error naming where it was made."""
+    original = torch.Tensor.register_hook
+
+    def refuse(tensor: torch.Tensor, hook: Any) -> Any:
+        if isinstance(tensor, nn.Parameter):
+            return original(tensor, hook)
+        import traceback
+
+        frame = traceback.extract_stack()[-2]  # the caller of register_hook
+        raise TraceError(
+            f"{type(model).__name__}'s forward registers a tensor hook at {frame.filename}:"
+            f"{frame.lineno} ({frame.line}), which a traced graph cannot keep: register it on "
+            f"a parameter, or give the Pipe an nn.Sequential of your blocks"
+        )
+
+    torch.Tensor.register_hook = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
@@ -108,14 +168,20 @@ def _export(model: nn.Module, sample: Any, training: bool
     Raises:
         TraceError: export refused the model; the message names the module where it can.
     """
+    _check_no_backward_hooks(model)
     args, kwargs = as_call(sample)
     shapes = _dynamic_shapes(model, args, kwargs)
     oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
-    with _mode(model, training), _no_cache(model), oblivious:
+    with _mode(model, training), _no_cache(model), oblivious, _refusing_tensor_hooks(model):
         try:
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
+        except TraceError:
+            raise
         except Exception as error:  # export raises many kinds; all mean "cannot trace"
+            if isinstance(error.__cause__, TraceError) or isinstance(error.__context__,
+                                                                       TraceError):
+                raise (error.__cause__ or error.__context__) from None  # type: ignore[misc]
             raise TraceError.from_export(error, model) from error
     return program.module(), CallSpec(args, kwargs)
 

@@ -18,7 +18,7 @@ from torch import fx, nn
 from units.boundaries import assign_units, block_run
 from units.errors import TraceError
 from units.programs import Program, cut_programs
-from units.trace import export_model
+from units.trace import export_model, hook_signature
 from units.unit import Unit, attach
 
 
@@ -39,6 +39,7 @@ class TracedModel:
         self.model = model
         self.sequential = sequential
         self.units = tuple(infos)
+        self._hooks = hook_signature(model)  # the graph keeps the forward hooks of the trace
 
     def check_batch(self, batch: Any) -> None:
         """Raise ValueError now, before a step begins, for a batch the first unit would refuse
@@ -46,6 +47,12 @@ class TracedModel:
         first = self.sequential[0]
         assert isinstance(first, Unit)
         first.check(batch)
+        if hook_signature(self.model) != self._hooks:
+            raise ValueError(
+                "a forward hook was added to or removed from the model since the Pipe traced "
+                "it; its graph keeps the hooks it was traced with: build a new Pipe (the "
+                "trace is redone for the model's new hooks)"
+            )
 
     def view(self, indices: Sequence[int]) -> nn.Module:
         """What units ``indices`` hold, under the model's own names, each object once: the

@@ -184,3 +184,46 @@ def test_deferred_batch_norm_is_refused_for_a_traced_model() -> None:
     with pytest.raises(ValueError, match=r"deferred_batch_norm=True .* a traced model does not "
                                          r"call \(3 BatchNorm layers, e.g. 'blocks.0.norm'\)"):
         _pipe(Normed(), x, deferred_batch_norm=True)
+
+
+class HookingBlock(Block):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = super().forward(h, scale)
+        out.register_hook(lambda grad: grad * 3)  # lost in a graph: refused
+        return out
+
+
+def test_a_tensor_hook_registered_in_the_forward_is_refused_naming_the_line() -> None:
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match=r"registers a tensor hook at .*test_traced_errors.py:"
+                                         r"\d+ \(out.register_hook"):
+        _pipe(_looped_with(HookingBlock), batch)
+
+
+def test_a_module_backward_hook_is_refused() -> None:
+    model = Looped()
+    model.blocks[1].mix.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match=r"module backward hooks on \['blocks.1.mix'\]"):
+        _pipe(model, batch)
+
+
+def test_forward_hooks_are_traced_exactly_and_a_later_one_is_refused() -> None:
+    import copy
+
+    batch, target = looped_batch()
+    plain_without = Looped()
+    with _pipe(copy.deepcopy(plain_without), batch) as pipe:  # traced first, without hooks
+        pipe.step(batch, target)
+    model = Looped()
+    model.blocks[0].mix.register_forward_hook(lambda module, args, output: output * 0.5)
+    model.blocks[2].register_forward_pre_hook(lambda module, args: (args[0] * 2, args[1]))
+    plain = copy.deepcopy(model)
+    mse(plain(**batch), target).backward()
+    with _pipe(model, batch) as pipe:  # the same make with hooks: traced anew, not reused
+        pipe.step(batch, target)
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            assert (p.grad - q.grad).abs().max().item() < 1e-12, name
+        model.head.register_forward_hook(lambda module, args, output: output + 1)
+        with pytest.raises(ValueError, match="a forward hook was added to or removed from"):
+            pipe.step(batch, target)
