@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -110,7 +110,7 @@ def _check_no_backward_hooks(model: nn.Module) -> None:
 def _refusing_tensor_hooks(model: nn.Module) -> Iterator[None]:
     """A forward that registers a tensor hook (``h.register_hook(...)``) would lose it in
     the graph, silently: while tracing, such a call is an error naming where it was made."""
-    original = torch.Tensor.register_hook
+    original: Callable[..., Any] = torch.Tensor.register_hook
 
     def refuse(tensor: torch.Tensor, hook: Any) -> Any:
         if isinstance(tensor, nn.Parameter):
