@@ -55,8 +55,8 @@ from _plan_report import run as run_on_two_ranks  # noqa: E402
 from _plan_workloads import WORKLOADS  # noqa: E402
 from examples.models import uneven_mlp  # noqa: E402
 from partitioners import LayerCost, LossCost, Profile, plan, plan_for_model  # noqa: E402
-from partitioners.plan_costs import linear_costs  # noqa: E402
-from partitioners.report import calibrated_link  # noqa: E402
+from partitioners.plan.costs import linear_costs  # noqa: E402
+from partitioners.cut.report import calibrated_link  # noqa: E402
 from pipeline import Pipe  # noqa: E402
 from schedules import Link  # noqa: E402
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from partitioners.cli import main
+from partitioners.cli.command import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Activation recomputation ("checkpoint") modes, and which micro-batches each recomputes.
 
 One rule for the simulator (``schedules.costs``), the planner
-(``partitioners.plan_costs``) and the runtime (``pipeline.compute.recompute``):
+(``partitioners.plan.costs``) and the runtime (``pipeline.compute.recompute``):
 
 - ``"never"``: every forward keeps what its backward needs;
 - ``"except_last"``: every micro-batch but the step's last keeps only its input and

@@ -7,7 +7,9 @@ way too, from the façade (``Pipe``) down through what is decided once at build
 (``setup``), what predicts a step (``predict``), what runs every step (``runtime``),
 to the process group, the transports, one chunk's compute, the payloads and the
 errors: the runtime never imports prediction, and nothing below the façade
-imports it. Every ``from``-import of these
+imports it. Inside ``partitioners`` the rooms go by phase: the command (``cli``) over the
+whole plan (``plan``) over the cut (``cut``) over what is measured (``measure``), with the
+package's error at the bottom. Every ``from``-import of these
 packages counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included: a
 cycle broken by a late import is still a cycle to read.
 """
@@ -100,3 +102,31 @@ def test_every_pipeline_module_has_a_room() -> None:
                    if module.startswith("pipeline.") and _room(module) == FACADE)
     assert loose == ["pipeline.checkpoints", "pipeline.model_like", "pipeline.pipe", "pipeline.saving"]
 
+
+
+PARTITIONER_ROOMS = ("cli", "plan", "cut", "measure", "errors")
+
+
+def _partitioner_room(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in PARTITIONER_ROOMS:
+        return len(PARTITIONER_ROOMS) - 1 - PARTITIONER_ROOMS.index(parts[1])
+    return len(PARTITIONER_ROOMS)  # partitioners/__init__.py and __main__.py: the public names
+
+
+def test_partitioners_rooms_point_down() -> None:
+    wrong = [(source, target) for source, target in import_graph().edges
+             if source.startswith("partitioners") and target.startswith("partitioners.")
+             and _partitioner_room(target) > _partitioner_room(source)]
+    assert wrong == []
+
+
+def test_every_partitioners_module_has_a_room() -> None:
+    loose = sorted(module for module in import_graph() if module.startswith("partitioners.")
+                   and _partitioner_room(module) == len(PARTITIONER_ROOMS))
+    assert loose == ["partitioners.__main__"]
+
+
+def test_partitioners_keeps_at_most_eight_files_in_its_hall() -> None:
+    hall = sorted(path.name for path in (ROOT / "partitioners").iterdir() if path.is_file())
+    assert len(hall) <= 8, hall

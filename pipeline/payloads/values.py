@@ -58,7 +58,7 @@ def crosses() -> Mapping[str, type]:
 def _lower_packages() -> Mapping[str, type]:
     # Imported when first needed: the runtime, which imports this module for its
     # collectives, never needs the planner's classes.
-    from partitioners.plan import Candidate, Plan
+    from partitioners.plan.search import Candidate, Plan
     from schedules.action import Action, Op, Schedule
     from schedules.timeline import Event, MemoryTrace, Timeline
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from partitioners.timing import synchronize
+from partitioners.measure.timing import synchronize
 from schedules import Costs, Schedule, Timeline, simulate
 
 from pipeline.compute.chunk import ChunkRunner

@@ -4,7 +4,7 @@ gradients, the optimizer's state and its transport's receive buffers.
 Bytes are this rank's own: a parameter sharded by FSDP2 (a DTensor) counts its local
 shard, and so do its gradient and the optimizer's state for it. A sharded stage also
 holds, within a step, its parameters whole (gathered; with ``reshard_after_forward``
-only the units in use, ``partitioners.memory.gathered_bytes``) and their gradients
+only the units in use, ``partitioners.cut.memory.gathered_bytes``) and their gradients
 whole, which accumulate unsharded until the step's one reduce-scatter (the runner's
 ``Sharding``). Whole copies (``"replicate"``) hold what a stage alone does.
 """
@@ -19,7 +19,7 @@ import torch
 from schedules import Schedule
 from schedules.dependencies import crossings
 
-from partitioners.memory import gathered_bytes
+from partitioners.cut.memory import gathered_bytes
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.payloads.values import crossing
 from pipeline.predict.probe import ChunkCosts

@@ -2,7 +2,7 @@
 hops refined from the delays a measured step shows, and the data-parallel replicas'
 collectives. ``Pipe.predict`` reads all three.
 
-The replicas' collectives are priced as rings (``partitioners.plan_replicas.ring_seconds``:
+The replicas' collectives are priced as rings (``partitioners.plan.replicas.ring_seconds``:
 ``(replicas - 1) x (latency + bytes / replicas / bandwidth)`` per all-gather or
 reduce-scatter, twice that per all-reduce) over a ``Link`` between replicas. That link
 is measured here, not taken from ``runner.hops``: those links join neighbouring
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from partitioners.plan_replicas import StepCollectives, gathers_per_action, ring_seconds, with_gathers
+from partitioners.plan.replicas import StepCollectives, gathers_per_action, ring_seconds, with_gathers
 from schedules import Costs, Link, Op, Schedule
 
 from pipeline.group.hops import HopModel
@@ -225,7 +225,7 @@ def replicas_step(costs: Costs, schedule: Schedule, found: dict[int, Collectives
                   ) -> tuple[Costs, StepCollectives]:
     """``costs`` with the gathers that happen inside actions (``reshard_after_forward``),
     and the collectives outside them: the gathers once per step before, each stage's
-    reduction after (``partitioners.plan_replicas.with_step_collectives`` places them)."""
+    reduction after (``partitioners.plan.replicas.with_step_collectives`` places them)."""
     gather = [0.0] * schedule.chunks
     for collectives in found.values():
         for chunk, seconds in collectives.gathers:

@@ -209,7 +209,7 @@ def _time_runs(runner: ChunkRunner, inputs: Any, target: Any, split: bool, warmu
 
 
 def _timed(device: torch.device, into: list[float], work: Callable[[], Any]) -> Any:
-    from partitioners.timing import synchronize
+    from partitioners.measure.timing import synchronize
 
     synchronize(device)
     start = time.perf_counter()

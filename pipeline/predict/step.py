@@ -43,7 +43,7 @@ from pipeline.group.hops import HopModel
 from pipeline.group.ranks import OneProcess, Ranks
 from pipeline.payloads.tree import from_wire, map_tensors, to_wire
 from pipeline.predict.contention import ChunkWork, contended, factor_across_ranks, slowed
-from partitioners.plan_replicas import with_step_collectives
+from partitioners.plan.replicas import with_step_collectives
 from pipeline.predict.fixed_bytes import FixedBytes, fixed_bytes
 from pipeline.predict.overheads import (
     Collectives,

@@ -81,7 +81,7 @@ def replicas_of(settings: Distributed | None, device: torch.device, timeout: flo
         return None
     import torch.distributed as dist
 
-    from partitioners.memory import DataParallelism
+    from partitioners.cut.memory import DataParallelism
     from pipeline.group.links import slowest_link
 
     return DataParallelism(dist.get_world_size(settings.data_group),

@@ -81,7 +81,7 @@ def test_a_sample_target_has_the_loss_profiled_for_the_plan() -> None:
 
 def test_the_losss_saved_bytes_are_held_by_the_last_chunk() -> None:
     from partitioners import LayerCost, LossCost, Profile
-    from partitioners.plan_costs import chunk_sums
+    from partitioners.plan.costs import chunk_sums
 
     layers = Profile([LayerCost(forward=1.0, backward=1.0, saved_bytes=10)] * 4,
                      loss=LossCost(forward=0.5, backward=0.5, saved_bytes=7))

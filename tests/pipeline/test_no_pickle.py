@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from dist_harness import run_ranks
 from partitioners import LayerCost
-from partitioners.plan import Candidate, Plan, plan
-from partitioners.plan_costs import linear_costs
+from partitioners.plan.search import Candidate, Plan, plan
+from partitioners.plan.costs import linear_costs
 from pipeline.group.collectives import broadcast_object, gather_objects
 from pipeline.payloads.checked_json import MAX_DEPTH, StructureError
 from pipeline.payloads.values import DTYPES, MAX_JSON_BYTES, crosses, decode, encode

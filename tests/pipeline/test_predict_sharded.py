@@ -18,8 +18,8 @@ import pytest
 
 from dist_harness import run_ranks
 from partitioners import LayerCost, MemoryLimitError, plan
-from partitioners.memory import DataParallelism, gathered_bytes, sharded_fixed_bytes
-from partitioners.plan_replicas import (
+from partitioners.cut.memory import DataParallelism, gathered_bytes, sharded_fixed_bytes
+from partitioners.plan.replicas import (
     StepCollectives,
     gathers_per_action,
     ring_seconds,

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partitioners import LayerCost, LossCost, MemoryLimitError, Profile
-from partitioners.plan import Candidate, Plan, plan
-from partitioners.plan_costs import (
+from partitioners.plan.search import Candidate, Plan, plan
+from partitioners.plan.costs import (
     candidate_costs,
     chunk_sums,
     linear_costs,
@@ -22,8 +22,8 @@ from partitioners.plan_costs import (
     microbatch_scale,
     recomputed_flags,
 )
-from partitioners.plan_cuts import cut_memory, memory_capped_cut, time_cut
-from partitioners.plan_space import default_microbatch_counts, variants
+from partitioners.plan.cuts import cut_memory, memory_capped_cut, time_cut
+from partitioners.plan.space import default_microbatch_counts, variants
 from schedules import Costs as ScheduleCosts
 from schedules import Link, get_schedule, schedule_info, schedule_names, simulate
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import accumulate
 
-from partitioners.cost import LayerCost, check_ties
-from partitioners.feasibility import Copies, MemoryCap
+from partitioners.measure.cost import LayerCost, check_ties
+from partitioners.cut.feasibility import Copies, MemoryCap
 from schedules import Link, Schedule, get_schedule, simulate
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from partitioners.units import format_bytes
+from partitioners.measure.sizes import format_bytes
 
 _FLOAT_HINT = "expected comma-separated positive integers such as 32,1024 (';' between inputs)"
 

@@ -14,8 +14,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from partitioners.feasibility import Problem, cut_from, reachable, step, windows
-from partitioners.intervals import Intervals, clip, contains, merge, predecessor
+from partitioners.cut.feasibility import Problem, cut_from, reachable, step, windows
+from partitioners.cut.intervals import Intervals, clip, contains, merge, predecessor
 
 
 class NoCutFits(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from partitioners.units import format_bytes, parse_bytes
+from partitioners.measure.sizes import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(

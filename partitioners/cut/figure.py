@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from partitioners.report import CutReport
+from partitioners.cut.report import CutReport
 from schedules import Event, Op, Timeline, plot_timeline
 from schedules.plot import OP_COLOURS
 

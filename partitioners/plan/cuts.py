@@ -26,11 +26,11 @@ from dataclasses import replace
 from fractions import Fraction
 from itertools import accumulate
 
-from partitioners.balance import balance
-from partitioners.cost import LayerCost, Profile
-from partitioners.feasibility import MemoryCap, Problem, copied_bytes, cut_from, reachable
-from partitioners.memory import tied_copies
-from partitioners.minmax import NoCutFits, slowest_stage_bound, smallest_memory_cap
+from partitioners.cut.balance import balance
+from partitioners.measure.cost import LayerCost, Profile
+from partitioners.cut.feasibility import MemoryCap, Problem, copied_bytes, cut_from, reachable
+from partitioners.cut.memory import tied_copies
+from partitioners.cut.minmax import NoCutFits, slowest_stage_bound, smallest_memory_cap
 
 
 def time_cut(costs: Sequence[LayerCost], chunks: int) -> tuple[int, ...]:

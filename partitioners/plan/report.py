@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from partitioners.plan import Candidate, Plan
-from partitioners.units import format_bytes
+from partitioners.plan.search import Candidate, Plan
+from partitioners.measure.sizes import format_bytes
 
 
 def _schedule(candidate: Candidate) -> str:

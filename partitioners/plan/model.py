@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from partitioners.memory import DataParallelism
-from partitioners.plan import CHECKPOINTS, Plan, plan
-from partitioners.plan_costs import Hop
+from partitioners.cut.memory import DataParallelism
+from partitioners.plan.search import CHECKPOINTS, Plan, plan
+from partitioners.plan.costs import Hop
 
 
 def plan_for_model(
@@ -58,8 +58,8 @@ def plan_for_model(
         ValueError: as ``plan`` and ``profile`` do, or a batch larger than the sample.
         RuntimeError: a layer or the loss failed while profiling.
     """
-    from partitioners.microbatch import _rows
-    from partitioners.profile import profile
+    from partitioners.measure.microbatch import _rows
+    from partitioners.measure.profile import profile
 
     rows = _rows(sample, "sample")
     if rows is None:

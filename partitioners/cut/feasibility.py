@@ -37,7 +37,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from functools import cached_property
 
-from partitioners.intervals import Intervals, clip, merge, predecessor
+from partitioners.cut.intervals import Intervals, clip, merge, predecessor
 
 
 Copies = tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]

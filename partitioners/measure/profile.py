@@ -13,9 +13,9 @@ from torch.utils import _pytree as pytree
 from torch import nn
 from tqdm import tqdm
 
-from partitioners.cost import LayerCost, LossCost, Profile
-from partitioners.microbatch import first_microbatch
-from partitioners.tensors import (
+from partitioners.measure.cost import LayerCost, LossCost, Profile
+from partitioners.measure.microbatch import first_microbatch
+from partitioners.measure.tensors import (
     SavedBytes,
     detached,
     fresh_inputs,
@@ -25,7 +25,7 @@ from partitioners.tensors import (
     tensors_of,
     to_device,
 )
-from partitioners.timing import held_for_weights, run_full, run_loss, run_split
+from partitioners.measure.timing import held_for_weights, run_full, run_loss, run_split
 
 Sample = torch.Tensor | tuple[torch.Tensor, ...]
 

@@ -9,9 +9,9 @@ from itertools import accumulate
 import pytest
 
 from balance_brute import cuts
-from partitioners.feasibility import MemoryCap, Problem, reachable, windows
-from partitioners.intervals import clip, contains, merge, predecessor
-from partitioners.minmax import NoCutFits, smallest_memory_cap, solve, stage_costs
+from partitioners.cut.feasibility import MemoryCap, Problem, reachable, windows
+from partitioners.cut.intervals import clip, contains, merge, predecessor
+from partitioners.cut.minmax import NoCutFits, smallest_memory_cap, solve, stage_costs
 
 
 def prefix(values: list[int]) -> tuple[int, ...]:

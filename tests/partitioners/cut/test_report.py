@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from partitioners import LayerCost, LossCost, Profile, held_microbatches
-from partitioners.report import comparison_table, layer_types, report, stage_table, to_data
+from partitioners.cut.report import comparison_table, layer_types, report, stage_table, to_data
 
 
 def costs() -> list[LayerCost]:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from partitioners.cli import main
+from partitioners.cli.command import main
 
 HERE = Path(__file__).absolute().parent
-ROOT = HERE.parent.parent  # the checkout under test, ahead of any installed copy
+ROOT = HERE.parents[2]  # the checkout under test, ahead of any installed copy
 SCRIPT = Path(sys.executable).parent / "pipe-balance"
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from split_backward import backward_input
-from partitioners.tensors import fresh_inputs, storage_bytes, tensors_of
+from partitioners.measure.tensors import fresh_inputs, storage_bytes, tensors_of
 
 
 def synchronize(device: torch.device) -> None:

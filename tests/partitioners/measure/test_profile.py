@@ -187,7 +187,7 @@ def test_a_stage_holding_a_tied_layer_is_charged_its_own_copy(schedule: str,
     # stage 1 holds the embedding's weight too (1F1B), but not when the V puts the head
     # back on the embedding's stage (ZB-V). What the planner charges each stage must equal
     # the parameters its layers use, each once.
-    from partitioners.plan_costs import candidate_costs, chunk_sums
+    from partitioners.plan.costs import candidate_costs, chunk_sums
     from partitioners import stage_memory
     from schedules import get_schedule
 
@@ -350,8 +350,8 @@ def test_micro_batch_and_loss_errors(options: dict, error: type, pattern: str) -
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_a_tensor_two_neighbours_save_counts_once_in_a_chunk(inplace: bool) -> None:
-    from partitioners.cost import saved_bytes_of
-    from partitioners.tensors import SavedBytes, storage_pointers
+    from partitioners.measure.cost import saved_bytes_of
+    from partitioners.measure.tensors import SavedBytes, storage_pointers
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(inplace=inplace), nn.Linear(64, 64),

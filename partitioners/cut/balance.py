@@ -9,12 +9,12 @@ from fractions import Fraction
 from itertools import accumulate
 from typing import Literal, cast
 
-from partitioners.cost import LayerCost, Profile
-from partitioners.feasibility import Problem
-from partitioners.memory import held_microbatches, memory_cap, stage_memory
+from partitioners.measure.cost import LayerCost, Profile
+from partitioners.cut.feasibility import Problem
+from partitioners.cut.memory import held_microbatches, memory_cap, stage_memory
 from partitioners.errors import MemoryLimitError
-from partitioners.minmax import NoCutFits, smallest_memory_cap, solve
-from partitioners.units import format_bytes
+from partitioners.cut.minmax import NoCutFits, smallest_memory_cap, solve
+from partitioners.measure.sizes import format_bytes
 from schedules import Schedule
 
 By = Literal["time", "params", "uniform"]

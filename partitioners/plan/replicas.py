@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from partitioners.memory import DataParallelism, sharded_fixed_bytes
-from partitioners.plan_costs import ChunkSums, Hop, tied_copies, stage_params
+from partitioners.cut.memory import DataParallelism, sharded_fixed_bytes
+from partitioners.plan.costs import ChunkSums, Hop, tied_copies, stage_params
 from schedules import Costs, Event, Link, Op, Schedule, Timeline, memory_traces
 
 

@@ -22,10 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from partitioners.balance import BY, balance, check_stages, uniform
-from partitioners.loading import (UsageError, as_sequential, build_model, make_sample,
+from partitioners.cut.balance import BY, balance, check_stages, uniform
+from partitioners.cli.loading import (UsageError, as_sequential, build_model, make_sample,
                                   parse_shapes)
-from partitioners.units import parse_bytes
+from partitioners.measure.sizes import parse_bytes
 from schedules import schedule_names
 
 PROG = "pipe-balance"
@@ -110,8 +110,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--replicas, --fsdp, --reshard-after-forward and --optimizer-factor "
                          "are the planner's: use them with --schedule auto or --chunks auto")
 
-    from partitioners.memory import held_microbatches
-    from partitioners.profile import profile
+    from partitioners.cut.memory import held_microbatches
+    from partitioners.measure.profile import profile
 
     _set_threads(args.threads)  # imports torch: after the cheap checks, as it takes a while
     sample = make_sample(shapes, args.dtype)
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace) -> int:
 def _report_cut(args: argparse.Namespace, costs: Any, sizes: list[int], held: Any, device: Any,
                 memory_limit: float | None, bandwidth: float | None) -> None:
     """Print the cut against the uniform one, with the predicted step; write JSON and plot."""
-    from partitioners.report import calibrated_link, comparison_table, report, stage_table, to_data
+    from partitioners.cut.report import calibrated_link, comparison_table, report, stage_table, to_data
 
     link = calibrated_link(device)  # a hop measured here, in-process: a local copy
     chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth, link=link)
@@ -190,9 +190,9 @@ def _chunks(text: str) -> int | str:
 def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
               bandwidth: float | None) -> int:
     """``--schedule auto`` / ``--chunks auto``: search, print the best candidates, write JSON."""
-    from partitioners.plan_model import plan_for_model
-    from partitioners.plan_report import candidates_table, plan_data
-    from partitioners.report import calibrated_link
+    from partitioners.plan.model import plan_for_model
+    from partitioners.plan.report import candidates_table, plan_data
+    from partitioners.cut.report import calibrated_link
     from schedules import Link
 
     if args.top < 1:
@@ -226,7 +226,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
 def _replicas(args: argparse.Namespace) -> Any:
     """``--replicas``, ``--fsdp``, ``--reshard-after-forward`` as a ``DataParallelism``
     (priced over the hop between stages), or None for one replica."""
-    from partitioners.memory import DataParallelism
+    from partitioners.cut.memory import DataParallelism
 
     if args.optimizer_factor < 0:
         raise UsageError(f"--optimizer-factor must be >= 0, got {args.optimizer_factor:g}")
@@ -285,7 +285,7 @@ def _plot(chosen: Any, even: Any, label: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from partitioners.figure import plot_cut
+    from partitioners.cut.figure import plot_cut
 
     try:
         plot_cut(chosen, even, label, path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from partitioners.microbatch import first_microbatch, microbatch_rows
+from partitioners.measure.microbatch import first_microbatch, microbatch_rows
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64, 100])

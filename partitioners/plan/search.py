@@ -9,17 +9,17 @@ the same one that draws and validates timetables. A candidate is a registered
 schedule with its options, a micro-batch count M (any M: uneven last
 micro-batches are scaled down), the exact cut by time for the schedule's chunk
 count (and, under a memory limit, the fastest cut that provably fits; see
-``plan_cuts``) and a checkpoint mode.
+``plan.cuts``) and a checkpoint mode.
 
 Simulating them all is the slow part, so candidates are visited in order of a
-lower bound on their makespan (``plan_costs.makespan_lower_bound``, no
+lower bound on their makespan (``plan.costs.makespan_lower_bound``, no
 simulation), and the search stops once the bound passes the fastest fitting
 plan found: the answer is the one an exhaustive search gives (``prune=False``).
 
 With data-parallel replicas (``data_parallel=``) each candidate's stages hold what the
-replicas hold (``memory.sharded_fixed_bytes``: FSDP shards divide parameters, gradients
+replicas hold (``cut.memory.sharded_fixed_bytes``: FSDP shards divide parameters, gradients
 and optimizer state by the replicas and add the gathered working set) and its step pays
-their collectives (``plan_replicas.replicas_costs``); the bound ignores those, so it stays
+their collectives (``plan.replicas.replicas_costs``); the bound ignores those, so it stays
 a lower bound.
 """
 
@@ -32,8 +32,8 @@ from types import MappingProxyType
 from typing import Any
 
 from partitioners.errors import MemoryLimitError
-from partitioners.memory import NO_REPLICAS, DataParallelism
-from partitioners.plan_costs import (
+from partitioners.cut.memory import NO_REPLICAS, DataParallelism
+from partitioners.plan.costs import (
     Hop,
     candidate_costs,
     chunk_sums,
@@ -41,9 +41,9 @@ from partitioners.plan_costs import (
     microbatch_scale,
     recomputed_flags,
 )
-from partitioners.plan_replicas import replicas_costs, with_step_collectives
-from partitioners.plan_cuts import memory_capped_cut, time_cut
-from partitioners.plan_space import (
+from partitioners.plan.replicas import replicas_costs, with_step_collectives
+from partitioners.plan.cuts import memory_capped_cut, time_cut
+from partitioners.plan.space import (
     CostSource,
     CostTable,
     Options,
@@ -54,10 +54,10 @@ from partitioners.plan_space import (
     held,
     variants,
 )
-from partitioners.plan_space import (
+from partitioners.plan.space import (
     microbatch_counts as microbatch_counts_for,
 )
-from partitioners.units import format_bytes
+from partitioners.measure.sizes import format_bytes
 from schedules.checkpointing import CHECKPOINT_MODES
 from schedules import Timeline, schedule_info, schedule_names, simulate
 
@@ -153,7 +153,7 @@ def plan(
     one-chunk schedules), priced by ``schedules.simulate``.
 
     >>> from partitioners import LayerCost
-    >>> from partitioners.plan_costs import linear_costs
+    >>> from partitioners.plan.costs import linear_costs
     >>> layers = linear_costs([LayerCost(forward=1.0, backward=2.0, saved_bytes=10)] * 8, rows=1)
     >>> best = plan(layers, stages=2, batch=8)
     >>> best.describe(), best.step_time, best.peak_memory
@@ -166,7 +166,7 @@ def plan(
             stage) by micro-batch rows: a mapping ``rows -> costs`` (then M ranges
             over the counts whose largest micro-batch, ``ceil(batch / M)`` rows, is
             a key), or a callable ``rows -> costs`` called once per size needed
-            (``profile`` on demand, or ``plan_costs.linear_costs``). Smaller last
+            (``profile`` on demand, or ``plan.costs.linear_costs``). Smaller last
             micro-batches cost in proportion to their rows.
         stages: pipeline stages P.
         batch: rows per step, split into M micro-batches as ``torch.tensor_split`` does.
@@ -189,9 +189,9 @@ def plan(
         data_parallel: how each stage's replicas hold it (``DataParallelism``: their
             count, FSDP shards or whole copies, ``reshard_after_forward``, the hop
             between them); None: no replicas. Memory per stage then is
-            ``memory.sharded_fixed_bytes`` plus activations, and the step adds the
+            ``cut.memory.sharded_fixed_bytes`` plus activations, and the step adds the
             replicas' all-gathers, reduce-scatters or all-reduces
-            (``plan_replicas.replicas_costs``).
+            (``plan.replicas.replicas_costs``).
 
     Returns:
         The Plan.

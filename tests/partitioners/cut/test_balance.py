@@ -344,7 +344,7 @@ def test_ties_that_cannot_be_are_named(tied: tuple, pattern: str) -> None:
         balance(costs, 2, memory_limit=1000, schedule="1f1b", microbatches=2)
     with pytest.raises(ValueError, match=pattern):
         stage_memory(costs, [1, 2], (2.0, 1.0))
-    from partitioners.plan_costs import chunk_sums
+    from partitioners.plan.costs import chunk_sums
 
     with pytest.raises(ValueError, match=pattern):
         chunk_sums(costs, [1, 2])

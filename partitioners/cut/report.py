@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partitioners.cost import LayerCost, LossCost, Profile, saved_bytes_of
-from partitioners.units import format_bytes
+from partitioners.measure.cost import LayerCost, LossCost, Profile, saved_bytes_of
+from partitioners.measure.sizes import format_bytes
 from schedules import Link, Timeline, get_schedule, simulate
 
 
@@ -166,7 +166,7 @@ def calibrated_link(device: Any = "cpu", rounds: int = 9) -> Link:
 
     import torch
 
-    from partitioners.timing import synchronize
+    from partitioners.measure.timing import synchronize
 
     target = torch.device(device)
     found = []

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, Union
 
-from partitioners.cost import LayerCost
+from partitioners.measure.cost import LayerCost
 from schedules import Schedule, schedule_info, schedule_names
 from schedules.checkpointing import CHECKPOINT_MODES
 

@@ -15,7 +15,7 @@ what stays from I to W (``weight_bytes_of``); ``input_bytes`` is the activation 
 the output of the layer before it: what a recomputed micro-batch keeps, and the
 payload of its hops. The first chunk's input is the caller's batch, already in
 memory whatever the pipeline does, so it counts 0. What data-parallel replicas add
-(ring collectives) is ``partitioners.plan_replicas``.
+(ring collectives) is ``partitioners.plan.replicas``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from partitioners.cost import (
+from partitioners.measure.cost import (
     LayerCost,
     LossCost,
     Profile,

@@ -1,0 +1,1 @@
+"""The whole plan: candidates (schedule, micro-batches, cut, recomputation) priced and searched."""
