@@ -70,8 +70,8 @@ class CallSpec:
             if leaves[index] != expected:
                 raise ValueError(
                     f"this model was traced with the non-tensor argument value {expected!r} "
-                    f"(the graph keeps it as a constant), got {leaves[index]!r}; pass the "
-                    f"traced value, or build the Pipe with a sample that has this one"
+                    f"(the graph keeps it as a constant), got {describe(leaves[index])}; "
+                    f"pass the traced value, or build the Pipe with a sample that has this one"
                 )
         return leaves
 

@@ -130,6 +130,15 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
             f"nn.Sequential is traced once with a batch as it takes it: a tensor, a tuple of "
             f"arguments or a dict of keyword arguments)"
         )
+    on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+               if tensor.is_meta]
+    if on_meta:
+        raise TraceError(
+            f"a model is traced by running its forward, so its tensors must be real: "
+            f"{len(on_meta)} are on the meta device (e.g. {on_meta[0]!r}); materialise it "
+            f"(to_empty and initialise) before Pipe, or give the Pipe an nn.Sequential, "
+            f"whose layers each rank materialises with init_fn"
+        )
     starts = list(units) if units is not None else block_run(model)
     if not starts:
         raise TraceError(

@@ -227,3 +227,24 @@ def test_forward_hooks_are_traced_exactly_and_a_later_one_is_refused() -> None:
         model.head.register_forward_hook(lambda module, args, output: output + 1)
         with pytest.raises(ValueError, match="a forward hook was added to or removed from"):
             pipe.step(batch, target)
+
+
+def test_a_model_on_the_meta_device_is_refused() -> None:
+    with torch.device("meta"):
+        model = Looped()
+    batch, _ = looped_batch()
+    with pytest.raises(TraceError, match=r"must be real: \d+ are on the meta device .*'stem"):
+        _pipe(model, batch)
+
+
+def test_a_none_argument_is_a_constant_of_the_graph() -> None:
+    from traced_models import llama, tokens
+
+    batch, target = tokens()
+    without_mask = dict(batch, attention_mask=None)
+    with Pipe(llama(layers=2), chunks=2, sample=without_mask, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        pipe.step(without_mask, target)
+        with pytest.raises(ValueError, match=r"non-tensor argument value None .* got "
+                                             r"Tensor\(4, 12\):int64"):
+            pipe.step(batch, target)
