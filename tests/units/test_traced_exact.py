@@ -126,3 +126,18 @@ def test_dropout_gives_one_result_across_schedules_cuts_and_modes() -> None:
     for losses, grads in others:
         assert losses == pytest.approx(first_losses, abs=TOLERANCE)
         assert (grads - first_grads).abs().max().item() < TOLERANCE
+
+
+def test_clipping_counts_the_tied_weight_once() -> None:
+    model = llama()
+    plain = copy.deepcopy(model)
+    batch, target = tokens()
+    with Pipe(model, chunks=2, sample=batch, devices=["cpu", "cpu"],
+              **loss_options("llama")) as pipe:
+        pipe.step(batch, target)
+        norm = pipe.clip_grad_norm_(0.1)
+    reference(plain, batch, target, "llama")
+    expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    assert abs(norm.item() - expected.item()) < TOLERANCE
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < TOLERANCE
