@@ -20,11 +20,10 @@ from pipeline.compute.loss import loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
-from pipeline.group.collectives import union_total
 from pipeline.group.distributed import Distributed, resolve_distributed
-from pipeline.group.ranks import OneProcess, RankGroup, Ranks
+from pipeline.group.ranks import RankGroup, Ranks
 from pipeline.model_like import ModelLike
-from pipeline.runtime.build import build_runner
+from pipeline.runtime.build import processes
 from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.balancing import resolve_balance
@@ -147,7 +146,8 @@ class Pipe(ModelLike):
                                        reshard_after_forward=reshard_after_forward,
                                        tensor_parallel=tensor_parallel)
         group = None if settings is None else settings.group
-        self._ranks: Ranks = OneProcess(timeout) if group is None else RankGroup(group, timeout)
+        self._processes = processes(settings, timeout)  # one process or a group: decided here
+        self._ranks: Ranks = self._processes.ranks
         # First, before anything that could raise on some ranks only.
         self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
                                 checkpoint=checkpoint, stages=stages,
@@ -207,8 +207,8 @@ class Pipe(ModelLike):
         assert self._balance is not None
         self._recent.clear()
         self._pending = None
-        runner = build_runner(self.model, self._balance, self._schedule, self._devices,
-                              self._options, self.timeout, self._distributed)
+        runner = self._processes.build_runner(self.model, self._balance, self._schedule,
+                                              self._devices, self._options)
         self._runner = runner
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
@@ -359,7 +359,9 @@ class Pipe(ModelLike):
         runner = self._ensure_runner(x)
         self._settle_timeline()
         assert self._loss_rule is not None
-        weights = self._weights(targets) if targets is not None else None
+        # With data-parallel replicas, over the union of their batches.
+        weights = None if targets is None else runner.data_parallel.loss_weights(
+            self._loss_rule, targets, self._devices[-1])
         scale = 1.0
         if scaler is not None and scaler.is_enabled():
             scaler.scale(torch.zeros((), device=self._devices[-1]))  # its scale, on our device
@@ -370,17 +372,6 @@ class Pipe(ModelLike):
         if scale != 1.0:
             self._ranks.share_overflow(self.parameters())
         return loss / scale if scale != 1.0 else loss
-
-    def _weights(self, targets: list[Any]) -> list[float]:
-        """Each micro-batch's loss factor; with replicas, over the union of their batches."""
-        assert self._loss_rule is not None
-        settings = self._distributed
-        if settings is None or settings.data_group is None:
-            return self._loss_rule.weights(targets)
-        replicas, total = union_total(self._loss_rule.total(targets), settings.data_group,
-                                      self.timeout, self._devices[-1])
-        # The replicas' gradients are averaged: weigh by their count to get the union's sum.
-        return [w * replicas for w in self._loss_rule.weights(targets, total or None)]
 
     def predict(self, x: Any, target: Any, optimizer: torch.optim.Optimizer | None = None
                 ) -> Timeline:

@@ -10,6 +10,8 @@ from torch import nn
 
 from schedules import Schedule
 
+from pipeline.compute.chunk import ChunkSpec
+
 Chunk = TypeVar("Chunk")
 
 
@@ -29,9 +31,10 @@ def build_chunks(
     schedule: Schedule,
     devices: Sequence[torch.device],
     stages: Sequence[int],
-    make_chunk: Callable[[int, int, int, nn.Sequential, torch.device], Chunk],
+    make_chunk: Callable[[ChunkSpec, nn.Sequential, torch.device], Chunk],
 ) -> dict[int, Chunk]:
-    """Move each chunk of the listed stages onto its stage's device and wrap it.
+    """Move each chunk of the listed stages onto its stage's device and wrap it, with the
+    ``ChunkSpec`` that says where it sits (made here only).
 
     Args:
         model: the whole model; its modules are shared, not copied.
@@ -39,12 +42,14 @@ def build_chunks(
         schedule: gives each chunk's stage (``placement``).
         devices: one device per stage.
         stages: the stages to build (all of them in one process, one per rank).
-        make_chunk: ``make_chunk(index, stage, first_layer, layers, device)`` -> chunk.
+        make_chunk: ``make_chunk(spec, layers, device)`` -> chunk.
     """
     built: dict[int, Chunk] = {}
+    last = schedule.chunks - 1
     for index, (first, layers) in enumerate(slices(model, balance)):
         stage = schedule.placement[index]
         if stage in stages:
             layers.to(devices[stage])
-            built[index] = make_chunk(index, stage, first, layers, devices[stage])
+            spec = ChunkSpec(index, stage, first, index == 0, index == last)
+            built[index] = make_chunk(spec, layers, devices[stage])
     return built

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipeline.transports import TRANSPORTS
+from pipeline.transports import TRANSPORTS, TransportName
 
 
 MESH_DIMENSIONS = ("pp", "dp", "tp")
-DATA_PARALLEL = ("replicate", "fsdp")
+DataParallelMode = Literal["replicate", "fsdp"]
+DATA_PARALLEL: tuple[DataParallelMode, ...] = ("replicate", "fsdp")
 SHORTHAND_DEFAULTS: dict[str, Any] = {"transport": "auto", "data_parallel": "replicate",
                                       "reshard_after_forward": False}
 TensorParallel = Callable[[nn.Module, DeviceMesh], None]  # fn(layer, tp_mesh)
@@ -59,17 +60,17 @@ class Distributed:
 
     group: ProcessGroup
     data_group: ProcessGroup | None = None
-    transport: str = "auto"
+    transport: TransportName = "auto"
     init_fn: Callable[[nn.Module], None] | None = None
     mesh: DeviceMesh | None = None
-    data_parallel: str = "replicate"
+    data_parallel: DataParallelMode = "replicate"
     reshard_after_forward: bool = False
     tensor_parallel: TensorParallel | None = None
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, transport: str = "auto",
+    def from_mesh(cls, mesh: DeviceMesh, transport: TransportName = "auto",
                   init_fn: Callable[[nn.Module], None] | None = None,
-                  data_parallel: str = "replicate",
+                  data_parallel: DataParallelMode = "replicate",
                   reshard_after_forward: bool = False,
                   tensor_parallel: TensorParallel | None = None) -> Distributed:
         """The pipeline along the mesh's ``"pp"`` dimension (each coordinate of the others is
@@ -103,14 +104,6 @@ class Distributed:
         if self.mesh is None or "tp" not in (self.mesh.mesh_dim_names or ()):
             return None
         return self.mesh["tp"] if self.mesh["tp"].size() > 1 else None
-
-    def data_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The one-dimensional mesh of ``data_group`` (FSDP2 shards over a mesh), or None."""
-        if self.data_group is None:
-            return None
-        if self.mesh is not None and "dp" in (self.mesh.mesh_dim_names or ()):
-            return self.mesh["dp"]
-        return DeviceMesh.from_group(self.data_group, device_type, mesh_dim_names=("dp",))
 
     @property
     def holders(self) -> ProcessGroup:

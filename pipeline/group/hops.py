@@ -1,8 +1,8 @@
 """The hop model: per pair of stages, what moving a result between them costs.
 
 ``pipeline.group.links`` measures it (a ping-pong across ranks, or between stage
-threads), ``pipeline.predict.step`` charges it, and every runner keeps the one its
-construction measured (``Runner.hops``).
+threads), ``Ranks.hops`` asks for it once and keeps it, ``pipeline.predict.step``
+charges it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Everything that differs between the two, apart from how steps run (the runners'
 job), is asked of a ``Ranks``: deciding once for all (rank 0 decides, the others
-receive), gathering a value from each, sharing a gradient overflow, calibrating a
-hop, measuring how stages contend for cores. ``Pipe`` picks the kind once, from
-its ``group`` argument; nothing else asks whether there is a group.
+receive), gathering a value from each, sharing a gradient overflow, the hops
+between stages (calibrated the first time ``predict`` or a plan asks, then kept),
+measuring how stages contend for cores. ``pipeline.runtime.build.processes`` picks the
+kind once, with the runner that goes with it; nothing else asks whether there is a group.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipeline.group.collectives import all_reduce, broadcast_object, gather_objects
-from pipeline.group.links import calibrate_group, calibrate_local
+from pipeline.group.hops import HopModel
+from pipeline.group.links import calibrate_group, calibrate_local, hop_pairs
 from pipeline.group.process_groups import check_ranks_agree, rank_device
 from pipeline.group.state_gather import gather_state
 
 if TYPE_CHECKING:
-    from schedules import Link, Schedule
+    from schedules import Schedule
 
 T = TypeVar("T")
 
@@ -61,8 +63,10 @@ class Ranks(Protocol):
                      ) -> dict[str, torch.Tensor] | None:
         """Every rank's state entries merged on rank ``dst``; None on the others."""
 
-    def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
-        """The hop between the first two stages of ``chain``, measured as the runtime sends."""
+    def hops(self, devices: Sequence[torch.device], schedule: Schedule) -> HopModel:
+        """The hops between the stages of ``schedule`` that exchange results, measured as the
+        runtime sends (every rank at once) the first time they are asked for, then kept.
+        ``devices``: one per stage in one process; this rank's first, with a group."""
 
 
 class OneProcess:
@@ -70,6 +74,7 @@ class OneProcess:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
+        self._hops: dict[tuple[object, ...], HopModel] = {}
 
     @property
     def size(self) -> int:
@@ -99,8 +104,11 @@ class OneProcess:
                      ) -> dict[str, torch.Tensor] | None:
         return local
 
-    def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
-        return calibrate_local(list(devices), chain, self.timeout).link(0, 1)
+    def hops(self, devices: Sequence[torch.device], schedule: Schedule) -> HopModel:
+        key = _hop_key(devices, schedule)
+        if key not in self._hops:
+            self._hops[key] = calibrate_local(list(devices), schedule, self.timeout)
+        return self._hops[key]
 
 
 class RankGroup:
@@ -109,6 +117,7 @@ class RankGroup:
     def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
         self.group = group
         self.timeout = timeout
+        self._hops: dict[tuple[object, ...], HopModel] = {}
 
     @property
     def size(self) -> int:
@@ -162,6 +171,14 @@ class RankGroup:
                      ) -> dict[str, torch.Tensor] | None:
         return gather_state(local, self.group, dst, self.timeout)
 
-    def calibrate(self, devices: Sequence[torch.device], chain: Schedule) -> Link:
-        return calibrate_group(self.group, chain, devices[0], self.timeout).link(0, 1)
+    def hops(self, devices: Sequence[torch.device], schedule: Schedule) -> HopModel:
+        key = _hop_key(devices[:1], schedule)
+        if key not in self._hops:
+            self._hops[key] = calibrate_group(self.group, schedule, devices[0], self.timeout)
+        return self._hops[key]
+
+
+def _hop_key(devices: Sequence[torch.device], schedule: Schedule) -> tuple[object, ...]:
+    """What a calibration depends on: the devices and the pairs of stages that exchange."""
+    return (tuple(str(device) for device in devices), tuple(hop_pairs(schedule)))
 

@@ -5,11 +5,11 @@ collectives. ``Pipe.predict`` reads all three.
 The replicas' collectives are priced as rings (``partitioners.plan.replicas.ring_seconds``:
 ``(replicas - 1) x (latency + bytes / replicas / bandwidth)`` per all-gather or
 reduce-scatter, twice that per all-reduce) over a ``Link`` between replicas. That link
-is measured here, not taken from ``runner.hops``: those links join neighbouring
+is measured here, not taken from ``Ranks.hops``: those links join neighbouring
 *stages* (ranks of the pipeline's group), none of which is a replica of this one; in a
 3D layout the two kinds of pair often sit on different fabrics (replicas inside a node
 and stages across, or the reverse), and with one stage there is no hop at all. So
-``replicas_link`` runs the very ping-pong that calibrated ``runner.hops``
+``replicas_link`` runs the very ping-pong that calibrates ``Ranks.hops``
 (``pipeline.group.links.calibrate_group``, same sizes and rounds) between neighbouring
 replicas of the stage, over its data-parallel group, and keeps the slowest pair: a
 ring moves at its slowest hop.
@@ -21,15 +21,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from partitioners.plan.replicas import StepCollectives, gathers_per_action, ring_seconds, with_gathers
-from schedules import Costs, Link, Op, Schedule
+from schedules import Costs, Link, Op, Schedule, Timeline
 
 from pipeline.group.hops import HopModel
-from pipeline.runtime.data_parallel import NOT_SHARDED, Sharding
+from pipeline.runtime.runner import Runner
 
 
 # -- the executor's own cost per action ------------------------------------------------------
@@ -88,7 +86,7 @@ def action_overhead(device: torch.device, microbatches: int = 16, rounds: int = 
 # -- refined from a measured step ------------------------------------------------------------
 
 
-def measured_hop_delay(schedule: Schedule, *timelines: Any) -> float | None:
+def measured_hop_delay(schedule: Schedule, *timelines: Timeline) -> float | None:
     """Mean seconds from a result's producer ending to its waiting consumer starting.
 
     Only transfers the consumer waited for count (its previous action had ended
@@ -161,22 +159,17 @@ class Collectives:
         return self.gathers, self.reduce, self.per_action
 
 
-def replicas_link(runner: Any, timeout: float) -> Link | None:
+def replicas_link(runner: Runner) -> Link | None:
     """The slowest hop between neighbouring replicas of this rank's stage (see the module
     docstring), or None without replicas. Every replica must call it at the same point."""
-    group = runner.data_parallel.group
-    if group is None or runner.sharding.replicas < 2:
-        return None
-    from pipeline.group.links import slowest_link
-
-    return slowest_link(group, runner.chunks[next(iter(runner.chunks))].device, timeout)
+    return runner.data_parallel.link(runner.chunks[next(iter(runner.chunks))].device)
 
 
-def stage_collectives(runner: Any, link: Link | None) -> dict[int, Collectives]:
+def stage_collectives(runner: Runner, link: Link | None) -> dict[int, Collectives]:
     """Per local stage, its ``Collectives`` over ``link`` (zero without one). Read between
     steps, the parameters sharded (a DTensor's ``numel`` is its whole size)."""
-    schedule: Schedule = runner.schedule
-    sharding: Sharding = getattr(runner, "sharding", NOT_SHARDED)
+    schedule = runner.schedule
+    sharding = runner.sharding
     found: dict[int, Collectives] = {}
     for stage in {schedule.placement[c] for c in runner.chunks}:
         owned = [c for c in schedule.chunks_of_stage[stage] if c in runner.chunks]

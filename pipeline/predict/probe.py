@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from schedules.checkpointing import CheckpointMode
+
 from pipeline.compute.activations import ActivationTracker
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.payloads.tree import differentiable, flatten
@@ -145,13 +147,13 @@ def probe_chunk(
     return costs, output
 
 
-def probe_runner(chunk: ChunkRunner, checkpoint: str, tracked: bool) -> ChunkRunner:
+def probe_runner(chunk: ChunkRunner, checkpoint: CheckpointMode, tracked: bool) -> ChunkRunner:
     """A runner over the chunk's own layers with another checkpoint mode and, if ``tracked``,
     its own activation tracker."""
     parameters = list(chunk.layers.parameters())
     tracker = ActivationTracker(parameters, 1.0) if tracked else None
     return ChunkRunner(chunk.spec, chunk.layers, chunk.device,
-                       replace(chunk.options, checkpoint=checkpoint),  # type: ignore[arg-type]
+                       replace(chunk.options, checkpoint=checkpoint),
                        tracker, chunk.rng_lock, chunk.grad_lock)
 
 

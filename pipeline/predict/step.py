@@ -3,7 +3,7 @@
 Every chunk is measured where and how it will run (``pipeline.predict.probe``: its own
 layers as a unit, on its device, at the step's largest micro-batch, in the
 step's checkpoint mode, split into I and W when the schedule splits); each
-hop costs what the calibration at construction measured
+hop costs what ``Ranks.hops`` measured the first time a prediction asked
 (``pipeline.group.links``: latency + bytes / bandwidth, bytes from the
 boundary's real payload); each action also pays the executor's own per-action
 cost (measured on an almost empty action). Across ranks every rank measures its
@@ -36,6 +36,7 @@ import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
+from schedules.checkpointing import CheckpointMode
 from schedules.dependencies import crossings
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.microbatch import batch_size, to_device
@@ -111,13 +112,14 @@ def predict_step(
     replicas calibrate the hop between them and, sharded, gather their units together.
 
     Args:
-        runner: a ``LocalRunner`` or ``DistRunner`` (its ``chunks``, ``schedule``,
-            ``hops``, and with a group its ``transport``; with replicas its
-            ``sharding``, ``data_group`` and ``data_parallel``).
+        runner: a ``LocalRunner`` or ``DistRunner`` (its ``chunks``, ``schedule``, and
+            with a group its ``transport``; with replicas its ``sharding`` and
+            ``data_parallel``).
         inputs: the micro-batches of ``x`` (where the first chunk runs), else None.
         targets: the micro-batches of the target (where the last chunk runs), else None.
         optimizer: counted for its state (Adam: two tensors per parameter).
-        ranks: the Pipe's processes (``pipeline.group.ranks``); one process by default.
+        ranks: the Pipe's processes (``pipeline.group.ranks``), which calibrate the hops
+            once and keep them; one process by default.
         measured: measured Timelines of earlier steps of this runner (where there are
             some: rank 0 with a group), or one, to refine the prediction: the hop latency
             from the delays their waiting consumers saw (``calibration.measured_hop_delay``,
@@ -139,7 +141,8 @@ def predict_step(
     stages_here = len({schedule.placement[c] for c in runner.chunks})
     rows = _rows(inputs, targets, ranks, device)
     largest = max(range(len(rows)), key=lambda m: rows[m])
-    link = replicas_link(runner, ranks.timeout)  # every replica, before anything fails
+    hops = ranks.hops(_stage_devices(runner), schedule)  # every rank, before anything fails
+    link = replicas_link(runner)  # every replica, before anything fails
     with runner.data_parallel.gathered():
         local, failure, work = _measure_chunks(runner, inputs, targets, largest, ranks, device)
         factor, failure = _contention(runner, work, failure, ranks, device, stages_here)
@@ -149,7 +152,6 @@ def predict_step(
     chunks, overheads, fixed, delay, busy, factors, found = _gather(
         (local, (overhead,) * stages_here, fixed_local, failure, delay, busy, factor,
          {s: c.fields for s, c in stage_collectives(runner, link).items()}), ranks, device)
-    hops: HopModel = runner.hops
     if delay is not None:
         payloads = [chunks[c].input_bytes for c in range(1, schedule.chunks)]
         hops = refined(hops, delay, sum(payloads) / max(len(payloads), 1))
@@ -200,7 +202,7 @@ def build_costs(
     fixed: dict[int, FixedBytes],
     hops: HopModel,
     rows: list[int],
-    checkpoint: str,
+    checkpoint: CheckpointMode,
 ) -> Costs:
     """The ``Costs`` of a step from measured chunks.
 
@@ -236,7 +238,7 @@ def build_costs(
     return Costs(
         forward=forward, backward=backward, input_grad=input_grad, weight_grad=weight_grad,
         comm=hops, microbatch_scale=[r / top for r in rows],
-        recompute=checkpoint,  # type: ignore[arg-type]
+        recompute=checkpoint,
         activation_bytes=[float(measured[c].saved_bytes) for c in range(schedule.chunks)],
         input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
         fixed_bytes=fixed_per_chunk,
@@ -342,6 +344,13 @@ def _pass_on(carried: Any, failure: str | None, source: int, mine: bool, ranks: 
 
 def _any_device(runner: Runner) -> torch.device:
     return runner.chunks[next(iter(runner.chunks))].device
+
+
+def _stage_devices(runner: Runner) -> list[torch.device]:
+    """Each local stage's device, in stage order: every stage's in one process, this rank's
+    with a group (``Ranks.hops`` takes them so)."""
+    found = {runner.schedule.placement[c]: chunk.device for c, chunk in runner.chunks.items()}
+    return [found[stage] for stage in sorted(found)]
 
 
 def _gather(mine: tuple[Any, ...], ranks: Ranks, device: torch.device

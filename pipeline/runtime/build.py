@@ -1,8 +1,15 @@
-"""Pick and build a Pipe's runner: threads in one process, or one stage per rank of a group."""
+"""Who runs a Pipe, decided once: threads in one process, or one stage per rank of a group.
+
+``processes`` is the one place that asks whether there is a process group. What it returns
+answers both sides of that question: the ``Ranks`` that every collective decision goes to,
+and the runner that steps run on (``LocalRunner`` or this rank's ``DistRunner``, with the
+data-parallel and tensor-parallel strategies of its stage).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -12,23 +19,60 @@ from schedules import Schedule
 
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.group.distributed import Distributed, TensorParallel
-from pipeline.runtime.data_parallel import Alone, DataParallel, FullyShard, Replicate
+from pipeline.group.ranks import OneProcess, RankGroup, Ranks
+from pipeline.runtime.data_parallel import data_parallel_of
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
 
 
-def build_runner(model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
-                 devices: Sequence[torch.device], options: ChunkOptions, timeout: float,
-                 distributed: Distributed | None) -> Runner:
-    """A ``LocalRunner`` over ``devices`` in one process, else this rank's ``DistRunner``."""
+class Processes(Protocol):
+    """The processes a Pipe runs on (``ranks``) and the runner that goes with them."""
+
+    @property
+    def ranks(self) -> Ranks: ...
+
+    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+                     devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
+        """The runner of ``model`` cut by ``balance``; ``devices``: one per stage in one
+        process, this rank's with a group."""
+
+
+class InOneProcess:
+    """Every stage a thread of this process."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.ranks: Ranks = OneProcess(timeout)
+
+    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+                     devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
+        return LocalRunner(model, list(balance), schedule, list(devices), options, self.timeout)
+
+
+class AcrossRanks:
+    """One stage per rank of ``distributed.group``."""
+
+    def __init__(self, distributed: Distributed, timeout: float) -> None:
+        self.distributed = distributed
+        self.timeout = timeout
+        self.ranks: Ranks = RankGroup(distributed.group, timeout)
+
+    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+                     devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
+        distributed, device = self.distributed, devices[0]
+        data_parallel = data_parallel_of(distributed, device, self.timeout,
+                                         bool(schedule.split_backward))
+        return DistRunner(model, list(balance), schedule, device, options, self.timeout,
+                          distributed.group, distributed.init_fn, distributed.transport,
+                          data_parallel, _tensor_parallel(distributed))
+
+
+def processes(distributed: Distributed | None, timeout: float) -> Processes:
+    """Threads of this process without ``distributed``; else one stage per rank of its group."""
     if distributed is None:
-        return LocalRunner(model, list(balance), schedule, list(devices), options, timeout)
-    return DistRunner(model, list(balance), schedule, devices[0], options, timeout,
-                      distributed.group, distributed.data_group, distributed.init_fn,
-                      distributed.transport, _data_parallel(distributed, devices[0], timeout,
-                                                     bool(schedule.split_backward)),
-                      _tensor_parallel(distributed))
+        return InOneProcess(timeout)
+    return AcrossRanks(distributed, timeout)
 
 
 def _tensor_parallel(distributed: Distributed) -> tuple[TensorParallel, DeviceMesh] | None:
@@ -37,15 +81,3 @@ def _tensor_parallel(distributed: Distributed) -> tuple[TensorParallel, DeviceMe
     if distributed.tensor_parallel is None or tp_mesh is None:
         return None
     return distributed.tensor_parallel, tp_mesh
-
-
-def _data_parallel(distributed: Distributed, device: torch.device,
-                   timeout: float, split_backward: bool) -> DataParallel:
-    """How this stage's data-parallel replicas share it (``Distributed.data_parallel``)."""
-    if distributed.data_group is None:
-        return Alone()
-    if distributed.data_parallel == "fsdp":
-        mesh = distributed.data_mesh(device.type)
-        assert mesh is not None
-        return FullyShard(mesh, distributed.reshard_after_forward, split_backward, timeout)
-    return Replicate(distributed.data_group, timeout, device)

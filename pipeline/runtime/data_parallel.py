@@ -1,10 +1,13 @@
 """How a stage's data-parallel replicas share it: whole copies that all-reduce, or FSDP2 shards.
 
-``DistRunner`` asks its ``DataParallel`` five things: to shard the stage's layers once
-they are materialised, to prepare each step, to reduce the step's gradients after the
-last backward (and the last W of a split backward), to drop a failed step's partial
-gradients and to free what a forward-only call gathered. ``Replicate`` is plain data parallelism; ``FullyShard`` uses
-``torch.distributed.fsdp.fully_shard``:
+``data_parallel_of`` is the one place that asks whether a stage has replicas; everything
+else asks its ``DataParallel``: ``Pipe`` the weights of the micro-batches' losses (over the
+union of the replicas' batches), ``predict`` the link between replicas, and ``DistRunner``
+to shard the stage's layers once they are materialised, to prepare each step, to reduce
+the step's gradients after the last backward (and the last W of a split backward), to
+average the loss, to drop a failed step's partial gradients and to free what a
+forward-only call gathered. ``Alone`` has no replicas; ``Replicate`` is plain data
+parallelism; ``FullyShard`` uses ``torch.distributed.fsdp.fully_shard``:
 
 - The units: each local layer, except that layers holding one parameter (a tied weight,
   one block at several positions) form one unit, since FSDP2 shards a parameter once;
@@ -42,7 +45,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,9 +54,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from schedules import Link
+
+from pipeline.compute.loss import LossRule
 from pipeline.errors import PeerError
 from pipeline.group.agreement import ReplicaAgreement
-from pipeline.group.collectives import all_reduce
+from pipeline.group.collectives import all_reduce, union_total
+from pipeline.group.distributed import Distributed
+from pipeline.group.links import slowest_link
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,20 @@ class DataParallel(Protocol):
         group: the replicas' process group (None without replicas).
     """
 
-    group: dist.ProcessGroup | None
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+
+    def loss_weights(self, rule: LossRule, targets: Sequence[Any], device: torch.device
+                     ) -> list[float]:
+        """Each micro-batch's loss factor, so that the replicas' averaged gradients are the
+        union of their batches' (every replica of the last stage calls it at once)."""
+
+    def average_loss(self, loss: torch.Tensor) -> None:
+        """``loss`` (this replica's batch loss) made the replicas' mean, in place."""
+
+    def link(self, device: torch.device) -> Link | None:
+        """The slowest hop between neighbouring replicas (every replica calls it at once),
+        or None without replicas."""
 
     def shard(self, layers: Sequence[nn.Module]) -> None: ...
 
@@ -124,10 +145,42 @@ class DataParallel(Protocol):
     def sharding(self) -> Sharding: ...
 
 
+def data_parallel_of(distributed: Distributed, device: torch.device, timeout: float,
+                     split_backward: bool) -> DataParallel:
+    """How this rank's stage shares its work with its replicas (``Distributed.data_group``,
+    ``.data_parallel``): alone, whole copies, or FSDP2 shards."""
+    group = distributed.data_group
+    if group is None:
+        return Alone()
+    if distributed.data_parallel == "fsdp":
+        return FullyShard(_replicas_mesh(distributed.mesh, group, device.type),
+                          distributed.reshard_after_forward, split_backward, timeout)
+    return Replicate(group, timeout, device)
+
+
+def _replicas_mesh(mesh: DeviceMesh | None, group: dist.ProcessGroup, device_type: str
+                   ) -> DeviceMesh:
+    """The one-dimensional mesh of the replicas' ``group`` (FSDP2 shards over a mesh): the
+    ``"dp"`` dimension of the mesh they came from, or one made over ``group``."""
+    if mesh is not None and "dp" in (mesh.mesh_dim_names or ()):
+        return mesh["dp"]
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+
+
 class Alone:
     """No replicas."""
 
     group: dist.ProcessGroup | None = None
+
+    def loss_weights(self, rule: LossRule, targets: Sequence[Any], device: torch.device
+                     ) -> list[float]:
+        return rule.weights(targets)
+
+    def average_loss(self, loss: torch.Tensor) -> None:
+        pass
+
+    def link(self, device: torch.device) -> Link | None:
+        return None
 
     def shard(self, layers: Sequence[nn.Module]) -> None:
         pass
@@ -158,19 +211,44 @@ class Alone:
         return NOT_SHARDED
 
 
-class Replicate(Alone):
+class Replicas(Alone):
+    """What replicas do together however they hold the stage: the union's loss weights, the
+    mean loss, the link between them."""
+
+    group: dist.ProcessGroup
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
+        self.group = group
+        self.timeout = timeout
+
+    def loss_weights(self, rule: LossRule, targets: Sequence[Any], device: torch.device
+                     ) -> list[float]:
+        replicas, total = union_total(rule.total(targets), self.group, self.timeout,
+                                      device)
+        # The replicas' gradients are averaged: weigh by their count to get the union's sum.
+        return [w * replicas for w in rule.weights(targets, total or None)]
+
+    def average_loss(self, loss: torch.Tensor) -> None:
+        all_reduce(loss, self.group, self.timeout, "averaging the loss")
+        loss.div_(dist.get_world_size(self.group))
+
+    def link(self, device: torch.device) -> Link | None:
+        if dist.get_world_size(self.group) < 2:
+            return None
+        return slowest_link(self.group, device, self.timeout)
+
+
+class Replicate(Replicas):
     """Each replica holds the whole stage; gradients are averaged after each step."""
 
     def __init__(self, data_group: dist.ProcessGroup, timeout: float,
                  device: torch.device | None = None) -> None:
-        self.group = data_group
-        self.data_group = data_group
-        self.timeout = timeout
+        super().__init__(data_group, timeout)
         self.agreement = ReplicaAgreement(data_group, timeout, device or torch.device("cpu"))
 
     @property
     def sharding(self) -> Sharding:
-        return Sharding(replicas=dist.get_world_size(self.data_group))
+        return Sharding(replicas=dist.get_world_size(self.group))
 
     def begin_step(self) -> None:
         # Every collective here is bounded: no need to meet first.
@@ -181,22 +259,21 @@ class Replicate(Alone):
 
     def reduce_gradients(self, parameters: Sequence[nn.Parameter]) -> None:
         self.agreement.succeeded()
-        replicas = dist.get_world_size(self.data_group)
+        replicas = dist.get_world_size(self.group)
         for parameter in parameters:
             if parameter.grad is not None:
                 grad = local_part(parameter.grad)
-                all_reduce(grad, self.data_group, self.timeout, "averaging gradients")
+                all_reduce(grad, self.group, self.timeout, "averaging gradients")
                 grad.div_(replicas)
 
 
-class FullyShard(Alone):
+class FullyShard(Replicas):
     """Each replica holds a 1/dp shard of every local layer (FSDP2), gathered per step."""
 
     def __init__(self, mesh: DeviceMesh, reshard_after_forward: bool,
                  split_backward: bool = False, timeout: float = 60.0) -> None:
+        super().__init__(mesh.get_group(), timeout)
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.timeout = timeout
         self.agreement = ReplicaAgreement(self.group, timeout, torch.device(mesh.device_type))
         self.reshard_after_forward = reshard_after_forward
         # After a whole backward the unit's gathered parameters are done with until its next

@@ -16,11 +16,9 @@ from torch.distributed.tensor import DTensor
 from schedules import Event, Schedule, Timeline
 
 from pipeline.compute.activations import ActivationTracker, MemoryReport
-from pipeline.compute.microbatch import to_device
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
-from pipeline.group.links import calibrate_group
 from pipeline.group.process_groups import clock_offset
 from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
 from pipeline.runtime.grad_norm import clip_spread_grads
@@ -38,7 +36,7 @@ from pipeline.runtime.runner import (
 )
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.errors import PeerError
-from pipeline.transports import make_transport
+from pipeline.transports import TransportName, make_transport
 from pipeline.transports.wire import call_stamp
 
 
@@ -71,14 +69,12 @@ class DistRunner:
         options: ChunkOptions,
         timeout: float,
         group: dist.ProcessGroup,
-        data_group: dist.ProcessGroup | None,
         init_fn: Callable[[nn.Module], None] | None,
-        transport: str = "auto",
+        transport: TransportName = "auto",
         data_parallel: DataParallel | None = None,
         tensor_parallel: tuple[TensorParallel, DeviceMesh] | None = None,
     ) -> None:
         self.group = group
-        self.data_group = data_group
         self.data_parallel = data_parallel if data_parallel is not None else Alone()
         self.tp_mesh = tensor_parallel[1] if tensor_parallel is not None else None
         self.schedule = schedule
@@ -94,9 +90,8 @@ class DistRunner:
         share = 1.0 / len(schedule.chunks_of_stage[self.stage])
         self.tracker = ActivationTracker(self.parameters(), share) if options.track_memory else None
 
-        def make_chunk(index: int, stage: int, first: int, layers: nn.Sequential,
-                       chunk_device: torch.device) -> ChunkRunner:
-            spec = ChunkSpec(index, stage, first, index == 0, index == schedule.chunks - 1)
+        def make_chunk(spec: ChunkSpec, layers: nn.Sequential, chunk_device: torch.device
+                       ) -> ChunkRunner:
             return ChunkRunner(spec, layers, chunk_device, options, self.tracker, None)
 
         devices = [device] * schedule.stages
@@ -111,7 +106,6 @@ class DistRunner:
             timeout,
         )
         self.clock_offset = clock_offset(group, timeout, device)
-        self.hops = calibrate_group(group, schedule, device, timeout)  # for Pipe.predict
         self.memory: tuple[MemoryReport, ...] = ()
         self._broken: str | None = None  # why this rank's group can no longer be used
         self.meter: StepMeter | None = None  # set one to account for each step's time
@@ -237,11 +231,7 @@ class DistRunner:
         schedule = self.schedule
         if self.tracker is not None:
             self.tracker.reset_peaks()
-        step_inputs = StepInputs(
-            inputs=None if inputs is None else [to_device(x, self.device) for x in inputs],
-            targets=None if targets is None else [to_device(t, self.device) for t in targets],
-            weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
-        )
+        step_inputs = StepInputs.on(inputs, targets, weights, schedule, self.device, self.device)
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
         with step_of(self.chunks.values(), schedule):
             result = self._run(self.training_plan, step_inputs, infer=False)
@@ -253,7 +243,7 @@ class DistRunner:
         timeline = self._gather_timeline(result.events, origin)
         self.data_parallel.reduce_gradients(list(self.parameters()))
         self._sum_shared_gradients()
-        self._average_loss(loss)
+        self.data_parallel.average_loss(loss)
         if self.meter is not None:
             end = time.perf_counter()
             self.meter.collective += end - shared
@@ -286,13 +276,6 @@ class DistRunner:
             all_reduce(grad, self.group, self.timeout, "summing a shared parameter's gradient")
             if parameter is not None:
                 parameter.grad = _like(parameter, grad)
-
-    def _average_loss(self, loss: torch.Tensor) -> None:
-        if self.data_group is None:
-            return
-        replicas = dist.get_world_size(self.data_group)
-        all_reduce(loss, self.data_group, self.timeout, "averaging the loss")
-        loss.div_(replicas)
 
     def _gather_timeline(self, events: list[Event], origin: float) -> PendingTimeline:
         """Every stage's events, gathered on the first in the background (one all-gather).
@@ -339,9 +322,7 @@ class DistRunner:
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         schedule = self.schedule
-        step_inputs = StepInputs(
-            None if inputs is None else [to_device(x, self.device) for x in inputs], None, ()
-        )
+        step_inputs = StepInputs.on(inputs, None, None, schedule, self.device, None)
         self.data_parallel.begin_forward_only()
         try:
             with step_of(self.chunks.values(), schedule), torch.no_grad():
@@ -369,7 +350,7 @@ class DistRunner:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over every rank's part of the gradients (``grad_norm``)."""
-        groups = {"pp": self.group, "dp": self.data_group,
+        groups = {"pp": self.group, "dp": self.data_parallel.group,
                   "tp": self.tp_mesh.get_group() if self.tp_mesh else None}
         return clip_spread_grads([p.grad for p in self.parameters() if p.grad is not None],
                                  [p.grad for p in self.counted if p.grad is not None], groups,

@@ -14,11 +14,12 @@ from schedules import Action, CommPlan, Event, Group, Op, Schedule
 from schedules.dependencies import ActionKey, received
 
 from pipeline.compute.chunk import ChunkRunner
+from pipeline.compute.microbatch import to_device
 from pipeline.transports.base import Payload, Transport
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageSteps:
     """One stage's part of a comm plan: its steps, and which results it sends or keeps.
 
     Derived from ``schedules.comm_plan``, the single place that turns a schedule
@@ -32,7 +33,7 @@ class StagePlan:
     kept: frozenset[ActionKey]  # results consumed by a later chunk on this same stage
 
     @classmethod
-    def of(cls, comm: CommPlan, stage: int) -> StagePlan:
+    def of(cls, comm: CommPlan, stage: int) -> StageSteps:
         schedule = comm.schedule
         kept = set()
         for action in schedule.order[stage]:
@@ -69,11 +70,27 @@ def _key(action: Action) -> ActionKey:
 
 @dataclass
 class StepInputs:
-    """What a stage needs from the caller: inputs for chunk 0, targets for the last chunk."""
+    """What a stage needs from the caller: inputs for chunk 0, targets for the last chunk,
+    and the factor of each micro-batch's loss."""
 
     inputs: Sequence[Payload] | None
     targets: Sequence[Any] | None
     weights: Sequence[float]
+
+    @classmethod
+    def on(cls, inputs: Sequence[Payload] | None, targets: Sequence[Any] | None,
+           weights: Sequence[float] | None, schedule: Schedule, first: torch.device,
+           last: torch.device | None) -> StepInputs:
+        """The caller's micro-batches moved to where they are read: ``inputs`` to ``first``
+        (the first chunk's device), ``targets`` to ``last`` (the last chunk's); None stays
+        None. ``weights`` None (or empty): each micro-batch's loss weighs an equal share,
+        1 / micro-batches (read only where the last chunk runs)."""
+        microbatches = schedule.microbatches
+        return cls(
+            None if inputs is None else [to_device(x, first) for x in inputs],
+            None if targets is None or last is None else [to_device(t, last) for t in targets],
+            weights or [1.0 / microbatches] * microbatches,
+        )
 
 
 @dataclass
@@ -166,7 +183,7 @@ class StepMeter:
 
 
 def run_stage(
-    plan: StagePlan,
+    plan: StageSteps,
     chunks: dict[int, ChunkRunner],
     transport: Transport,
     step_inputs: StepInputs,
@@ -180,7 +197,7 @@ def run_stage(
     With ``infer`` (a forward-only plan, for ``Pipe.__call__``) the forwards keep
     nothing for a backward and the last chunk's outputs are returned, not losses.
     An action's event spans its compute only: waiting for an input counts as idle.
-    The plan is compiled once (``StagePlan.compiled``) into prepared operations, each
+    The plan is compiled once (``StageSteps.compiled``) into prepared operations, each
     with what it fetches, runs and delivers resolved; a step only calls them in turn.
     With ``carry_loss`` (this stage's device; every stage of the step must pass it) the
     backward messages carry the batch loss (``LossCarrier``) and ``result.loss_known``
@@ -189,11 +206,10 @@ def run_stage(
     Raises:
         ValueError: this stage runs the first chunk without ``x``, or the last without targets.
     """
-    schedule = plan.schedule
-    owned = plan.owned
-    if 0 in owned and step_inputs.inputs is None:
+    specs = [chunks[index].spec for index in plan.owned]
+    if step_inputs.inputs is None and any(spec.is_first for spec in specs):
         raise ValueError(f"stage {plan.stage} runs the first chunk and needs the input x")
-    if not infer and schedule.chunks - 1 in owned and step_inputs.targets is None:
+    if not infer and step_inputs.targets is None and any(spec.is_last for spec in specs):
         raise ValueError(f"stage {plan.stage} runs the last chunk and needs the target")
     run = _StageRun(plan, chunks, transport, step_inputs, infer, clock)
     if carry_loss is not None and not infer:
@@ -227,7 +243,7 @@ class _StageRun:
     __slots__ = ("plan", "chunks", "transport", "step_inputs", "infer", "clock", "result",
                  "kept", "outgoing", "take", "post", "events", "carrier")
 
-    def __init__(self, plan: StagePlan, chunks: dict[int, ChunkRunner], transport: Transport,
+    def __init__(self, plan: StageSteps, chunks: dict[int, ChunkRunner], transport: Transport,
                  step_inputs: StepInputs, infer: bool, clock: Clock) -> None:
         self.plan = plan
         self.chunks = chunks
@@ -254,7 +270,7 @@ def _fetcher(key: ActionKey, kept_here: bool) -> Callable[[_StageRun], Payload]:
     return lambda run: run.take(key)
 
 
-def _deliverer(plan: StagePlan, action: Action) -> Callable[[_StageRun, Payload], None]:
+def _deliverer(plan: StageSteps, action: Action) -> Callable[[_StageRun, Payload], None]:
     """Where an action's result goes: to a peer (a backward's with the loss row, when the
     step carries the loss), to a later chunk of this stage, or both."""
     key = _key(action)
@@ -282,16 +298,16 @@ def _compile_group(group: Group) -> Operation:
     return post
 
 
-def _compile_forward(plan: StagePlan, action: Action, infer: bool, kept: frozenset[ActionKey]
+def _compile_forward(plan: StageSteps, action: Action, infer: bool, kept: frozenset[ActionKey]
                      ) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-    is_last = index == plan.schedule.chunks - 1
     received_key = received(plan.schedule, action)
     source = None if received_key is None else _fetcher(received_key, received_key in kept)
     deliver = _deliverer(plan, action)
 
     def forward(run: _StageRun) -> None:
         chunk = run.chunks[index]
+        is_last = chunk.spec.is_last
         if source is None:
             inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
         else:
@@ -320,7 +336,7 @@ def _compile_forward(plan: StagePlan, action: Action, infer: bool, kept: frozens
     return forward
 
 
-def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey]) -> Operation:
+def _compile_backward(plan: StageSteps, action: Action, kept: frozenset[ActionKey]) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
     schedule = plan.schedule
     source = None
@@ -343,7 +359,7 @@ def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey
         else:
             produced = chunk.backward(microbatch, grads)
         run.events.append(Event(stage, action, start, run.clock()))
-        if index > 0:
+        if not chunk.spec.is_first:
             deliver(run, produced)
         elif any(grad is not None for grad in produced):
             run.result.input_grads[microbatch] = produced
@@ -351,7 +367,7 @@ def _compile_backward(plan: StagePlan, action: Action, kept: frozenset[ActionKey
     return backward
 
 
-def _compile_weight(plan: StagePlan, action: Action) -> Operation:
+def _compile_weight(plan: StageSteps, action: Action) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
 
     def weight(run: _StageRun) -> None:
@@ -362,7 +378,7 @@ def _compile_weight(plan: StagePlan, action: Action) -> Operation:
     return weight
 
 
-def compile_plan(plan: StagePlan, infer: bool) -> tuple[Operation, ...]:
+def compile_plan(plan: StageSteps, infer: bool) -> tuple[Operation, ...]:
     """``plan.steps`` as prepared operations, each a callable of the step's ``_StageRun``."""
     operations: list[Operation] = []
     for step in plan.steps:

@@ -15,9 +15,7 @@ from torch import nn
 from schedules import Event, Schedule
 
 from pipeline.compute.activations import ActivationTracker, MemoryReport
-from pipeline.compute.microbatch import to_device
 from pipeline.compute.slicing import build_chunks
-from pipeline.group.links import calibrate_local
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.data_parallel import NOT_SHARDED, Alone, DataParallel
 from pipeline.runtime.executor import StageResult, StepInputs, run_stage
@@ -67,11 +65,10 @@ class LocalRunner:
         grad_lock = threading.Lock()
         layers_of = chunk_layers(balance)
 
-        def make_chunk(index: int, stage: int, first: int, layers: nn.Sequential,
-                       device: torch.device) -> ChunkRunner:
-            spec = ChunkSpec(index, stage, first, index == 0, index == schedule.chunks - 1)
-            shares = any(layer in shared_layers for layer in layers_of[index])
-            return ChunkRunner(spec, layers, device, options, self.trackers[stage],
+        def make_chunk(spec: ChunkSpec, layers: nn.Sequential, device: torch.device
+                       ) -> ChunkRunner:
+            shares = any(layer in shared_layers for layer in layers_of[spec.index])
+            return ChunkRunner(spec, layers, device, options, self.trackers[spec.stage],
                                locks[device], grad_lock if shares else None)
 
         self.chunks = build_chunks(
@@ -86,7 +83,6 @@ class LocalRunner:
         self.memory: tuple[MemoryReport, ...] = ()
         self.sharding = NOT_SHARDED
         self.data_parallel: DataParallel = Alone()  # one process: no replicas
-        self.hops = calibrate_local(self.devices, schedule, timeout)  # for Pipe.predict
 
     def _stage_chunks(self, stage: int) -> dict[int, ChunkRunner]:
         return {c: self.chunks[c] for c in self.schedule.chunks_of_stage[stage]}
@@ -168,13 +164,9 @@ class LocalRunner:
         for tracker in self.trackers:
             if tracker is not None:
                 tracker.reset_peaks()
-        first_device = self.devices[schedule.placement[0]]
         last_device = self.devices[schedule.placement[-1]]
-        step_inputs = StepInputs(
-            inputs=[to_device(x, first_device) for x in inputs or ()],
-            targets=[to_device(t, last_device) for t in targets or ()],
-            weights=weights or [1.0 / schedule.microbatches] * schedule.microbatches,
-        )
+        step_inputs = StepInputs.on(inputs, targets, weights, schedule,
+                                    self.devices[schedule.placement[0]], last_device)
         origin = time.perf_counter()
         plans = [self.plans.stage(stage, infer=False) for stage in range(schedule.stages)]
 
@@ -199,8 +191,8 @@ class LocalRunner:
     def run_forward(self, inputs: list[Any] | None) -> list[Any]:
         schedule = self.schedule
         caller = CallerState.capture()
-        first_device = self.devices[schedule.placement[0]]
-        step_inputs = StepInputs([to_device(x, first_device) for x in inputs or ()], None, ())
+        step_inputs = StepInputs.on(inputs, None, None, schedule,
+                                    self.devices[schedule.placement[0]], None)
         plans = [self.plans.stage(stage, infer=True) for stage in range(schedule.stages)]
 
         def work(stage: int, endpoint: Any) -> StageResult:

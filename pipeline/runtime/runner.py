@@ -10,14 +10,14 @@ import torch
 from torch import nn
 
 from schedules import CommPlan, Event, Schedule, Timeline, comm_plan, forward_only
+from schedules.comm import Strategy
 
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.recompute import step_seed
-from pipeline.group.hops import HopModel
 from pipeline.payloads.tree import differentiable, flatten
 from pipeline.runtime.data_parallel import DataParallel, Sharding
-from pipeline.runtime.executor import StagePlan, StageResult
+from pipeline.runtime.executor import StageSteps, StageResult
 
 
 class PendingTimeline:
@@ -50,13 +50,11 @@ class PendingTimeline:
 class Runner(Protocol):
     """Runs a Pipe's steps: threads (``LocalRunner``) or one stage per rank (``DistRunner``).
 
-    The seam is not yet the only place that tells them apart: ``Pipe``, ``predict`` and a
-    few others still ask whether there is a group (issue 24).
+    Which one a Pipe gets is decided once, with its ``Ranks``, by ``runtime.build.processes``.
 
     Attributes:
         schedule: the Schedule it runs.
         chunks: this process's chunks by model-chunk index (all of them in one process).
-        hops: the hop model its construction calibrated (for ``Pipe.predict``).
         local_layers: the model's layers this process runs (all of them in one process).
         memory: per local stage, the activation memory of the last step (with
             ``memory_report``; else empty).
@@ -67,7 +65,6 @@ class Runner(Protocol):
 
     schedule: Schedule
     chunks: dict[int, ChunkRunner]
-    hops: HopModel
     local_layers: list[int]
     memory: tuple[MemoryReport, ...]
     data_parallel: DataParallel
@@ -101,13 +98,13 @@ class Runner(Protocol):
 class Plans:
     """A schedule's comm plans, training and forward-only, and each stage's part of them."""
 
-    def __init__(self, schedule: Schedule, strategy: str = "overlap") -> None:
+    def __init__(self, schedule: Schedule, strategy: Strategy = "overlap") -> None:
         self.schedule = schedule
-        self.training: CommPlan = comm_plan(schedule, strategy)  # type: ignore[arg-type]
+        self.training: CommPlan = comm_plan(schedule, strategy)
         self.forward: CommPlan = comm_plan(forward_only(schedule))
 
-    def stage(self, stage: int, infer: bool) -> StagePlan:
-        return StagePlan.of(self.forward if infer else self.training, stage)
+    def stage(self, stage: int, infer: bool) -> StageSteps:
+        return StageSteps.of(self.forward if infer else self.training, stage)
 
 
 @contextmanager

@@ -70,8 +70,7 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], ranks: Ranks) 
 
     if stages < 2:
         return None
-    link: Link = ranks.calibrate(devices, get_schedule("1f1b", stages=stages, microbatches=stages))
-    return link
+    return ranks.hops(devices, get_schedule("1f1b", stages=stages, microbatches=stages)).link(0, 1)
 
 
 def replicas_of(settings: Distributed | None, device: torch.device, timeout: float) -> Any:

@@ -17,7 +17,7 @@ TRANSPORTS: tuple[str, ...] = ("auto", "gloo", "ordered")
 
 
 def make_transport(
-    name: str,
+    name: TransportName,
     group: dist.ProcessGroup,
     stage_ranks: Sequence[int],
     stage: int,

@@ -72,7 +72,7 @@ def predict_untouched(rank: int, world: int, schedule: str) -> dict[str, Any]:
     before = snapshot(model, optimizer)
     timeline = pipe.predict(x, y, optimizer=optimizer)
     after = snapshot(model, optimizer)
-    hops = pipe._runner.hops
+    hops = pipe.ranks.hops(pipe.devices, pipe.schedule)  # what predict() calibrated
     pipe.close()
     return {
         "changed": changed(before, after),

@@ -173,6 +173,19 @@ def test_uneven_microbatches_scale_the_costs() -> None:
     assert prediction.costs.microbatch_scale == pytest.approx((1.0, 1.0, 2 / 3))
 
 
+def test_hops_are_calibrated_by_the_first_prediction_and_kept() -> None:
+    """Building a Pipe measures no hop; its Ranks calibrate them when predict() first asks,
+    and every later prediction charges the same ones."""
+    pipe = Pipe(mlp([8, 8, 8]), chunks=2, balance=[2, 2], devices=["cpu", "cpu"],
+                loss_fn=nn.MSELoss())
+    assert not hasattr(pipe._runner, "hops")
+    batch = split_batch(torch.randn(4, 8), torch.randn(4, 8), 2, True)
+    first = predict_step(pipe._runner, *batch, ranks=pipe.ranks).hops
+    second = predict_step(pipe._runner, *batch, ranks=pipe.ranks).hops
+    assert first is second is pipe.ranks.hops(pipe.devices, pipe.schedule)
+    assert first.link(0, 1).latency > 0 and first.link(1, 0).bandwidth > 0
+
+
 # -- predicting on 2 gloo ranks -----------------------------------------------------------------
 
 
