@@ -24,6 +24,7 @@ from pipeline.transports.wire import (
     TUPLE,
     HeaderError,
     BufferPool,
+    MessageReader,
     call_stamp,
     check_announces,
     check_status,
@@ -197,6 +198,28 @@ def test_a_failure_message_fills_the_size_expected_and_names_its_origin() -> Non
             as caught:
         check_status(header_of(message), 0, stage=1, sender=0, receiver=1, statuses=(OK, NEXT))
     assert caught.value.rank == 3
+
+
+def test_a_reader_reads_a_message_or_a_notice_in_one_call_and_refuses_a_short_one() -> None:
+    """MessageReader: the receiving end's one call into the wire format per message."""
+    tensors = (torch.randn(2, 3), torch.arange(5))
+    stamp = call_stamp(4, training=True)
+    message = torch.zeros(message_size(METAS), dtype=torch.uint8)
+    pack(encode_header(METAS, TUPLE, stamp), tensors, message)
+    reader = MessageReader(stage=1, rank=1)
+    for _ in range(2):  # the second read finds the header decoded already
+        status, kind, metas, read = reader.read(message, "F0", stamp, sender=0)
+        assert (status, kind, metas) == (OK, TUPLE, METAS)
+        assert all(torch.equal(a, b) for a, b in zip(read, tensors))
+        assert read[0].untyped_storage().data_ptr() == message.untyped_storage().data_ptr()
+    notice = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    write_notice(notice, encode_header(METAS, TUPLE), stamp)
+    assert reader.read(notice, "F1", stamp, sender=0) == (NEXT, TUPLE, METAS, ())
+    with pytest.raises(HeaderError, match=f"{HEADER_BYTES} bytes arrived for a header "
+                                          f"announcing {message_size(METAS)}"):
+        reader.view(notice, METAS)
+    with pytest.raises(PeerError, match="sent during its call 4"):
+        reader.read(message, "F0", call_stamp(5, training=True), sender=0)
 
 
 def test_a_status_no_sender_writes_is_a_header_error() -> None:
