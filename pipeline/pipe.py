@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -267,8 +268,16 @@ class Pipe(ModelLike):
     @property
     def units(self) -> tuple[Any, ...] | None:
         """For a traced model, its units (``units.UnitInfo``: index, name, the model's
-        modules and parameter names; ``pipe.balance`` counts them); None for a Sequential."""
-        return None if self._traced is None else self._traced.units
+        modules and parameter names, and the chunk and stage that run it; ``pipe.balance``
+        counts them); None for a Sequential."""
+        if self._traced is None:
+            return None
+        if self._balance is None:
+            return self._traced.units
+        chunk_of = [c for c, count in enumerate(self._balance) for _ in range(count)]
+        return tuple(replace(info, chunk=chunk_of[info.index],
+                             stage=self._schedule.placement[chunk_of[info.index]])
+                     for info in self._traced.units)
 
     @property
     def balance(self) -> list[int] | None:

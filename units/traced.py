@@ -24,12 +24,15 @@ from units.unit import Unit, attach
 
 @dataclass(frozen=True)
 class UnitInfo:
-    """What one unit runs: its index, name, the model's modules and parameter names."""
+    """What one unit runs: its index, name, the model's modules and parameter names, and
+    (from ``pipe.units``, once the model is cut) the model chunk and stage that run it."""
 
     index: int
     name: str
     modules: tuple[str, ...]
     parameters: tuple[str, ...]
+    chunk: int | None = None
+    stage: int | None = None
 
 
 class TracedModel:

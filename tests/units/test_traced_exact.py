@@ -48,6 +48,9 @@ def test_the_default_cut_is_prologue_blocks_epilogue() -> None:
         assert names == ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2",
                          "(epilogue)"]
         assert sum(pipe.balance) == 5
+        stages = [unit.stage for unit in pipe.units]
+        assert stages == sorted(stages) and stages[0] == 0 and stages[-1] == 1
+        assert [unit.chunk for unit in pipe.units] == stages  # 1F1B: one chunk a stage
         assert "model.layers.1.self_attn.q_proj.weight" in pipe.units[2].parameters
         assert "model.norm" in pipe.units[4].modules
         # the parameters that run are the model's own objects
