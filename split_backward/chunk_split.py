@@ -1,14 +1,14 @@
-"""One chunk's split backward: Linear layers defer their own weight gradients, the graph split does the rest.
+"""One chunk's split backward: layers defer their own weight gradients, the graph split does the rest.
 
-Per chunk, the first I switches its Linear layers on (``install``): from then on,
-while the chunk runs a forward with a graph, each of them whose weight gradient is
-worth moving (``"auto"``: an estimated ``rows x in x out`` multiply-adds of at
-least ``MIN_PRODUCT``; ``"layers"``: every one) runs ``deferred_linear`` instead
-of its own forward. A micro-batch whose forward deferred something has an I that
-is one plain engine call (weight gradients of everything else included: norms,
-embeddings, small layers) and a W that is the recorded products. Everything the
-layers do not cover goes through the exact graph split
-(``split_backward.graph_split``), chosen per micro-batch:
+Per chunk, the first I switches its Linear, MultiheadAttention and convolution
+layers on (``install``, ``switched_layers``): from then on, while the chunk runs a
+forward with a graph, each of their products whose weight gradient is worth moving
+(``"auto"``: an estimated multiply-adds of at least ``MIN_PRODUCT``; ``"layers"``:
+every one) runs ``deferred_linear`` or ``deferred_conv``. A micro-batch whose
+forward deferred something has an I that is one plain engine call (weight
+gradients of everything else included: norms, embeddings, small layers) and a W
+that is the recorded products. Everything the layers do not cover goes through the
+exact graph split (``split_backward.graph_split``), chosen per micro-batch:
 
 - a forward that deferred nothing (before the first I, a chunk without such
   layers, ``"graph"``);
@@ -19,67 +19,40 @@ layers do not cover goes through the exact graph split
   products join it there, in the one engine call. The graph is read once per set
   of deferred parameters, on the first micro-batch that shows it.
 
-Which layers can defer: an ``nn.Linear`` whose class keeps Linear's own forward, without
-parametrizations, whose weight is a leaf of plain ``Parameter`` type (not a DTensor, not
-set by a hook), outside a ``torch.compile``d module and in a chunk without FSDP
-modules: everything else stays as it was.
+Which products can defer: those of an ``nn.Linear``, ``nn.MultiheadAttention`` or
+``nn.Conv{1,2,3}d`` whose class keeps its own forward, without parametrizations,
+whose weight (and bias) is a leaf of plain ``Parameter`` type (not a DTensor, not
+set by a hook, not a slice), outside a ``torch.compile``d module and in a chunk
+without FSDP modules: everything else stays as it was.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
 from typing import Literal, TypeVar, get_args
 
 import torch
 from torch import nn
 from torch.autograd.graph import Node, get_gradient_edge
-from torch.nn.utils import parametrize
 
-from split_backward.deferred_linear import Record, Records, deferred_linear
+from split_backward.records import Record, Records
 from split_backward.graph_split import (
     Grads,
     WeightGradients,
     backward_input,
     whole_backward,
 )
+from split_backward.switched_layers import ACTIVE, switch_on
 
 SplitMode = Literal["auto", "layers", "graph"]
 SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
 
-# Below this many multiply-adds, a Linear's weight gradient costs less than deferring it
+# Below this many multiply-adds, a layer's weight gradient costs less than deferring it
 # (a custom Function in the forward, a Python backward, a record): it stays native.
 MIN_PRODUCT = 2**18
 
 _T = TypeVar("_T")
-_ACTIVE: ContextVar[ChunkSplit | None] = ContextVar("split_backward_active", default=None)
-
-
-class _LinearForward:
-    """An installed Linear's ``forward``: deferred inside its chunk's split, else Linear's own.
-
-    Holds nothing but the module, so the module still copies, pickles and saves as before.
-    """
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: nn.Linear) -> None:
-        self.module = module
-
-    def __call__(self, input: torch.Tensor) -> torch.Tensor:
-        split = _ACTIVE.get()
-        module = self.module
-        if split is not None and torch.is_grad_enabled() and split.defers(module, input):
-            parameters = module._parameters
-            return deferred_linear(input, parameters["weight"], parameters["bias"], split.record)
-        return nn.Linear.forward(module, input)
-
-
-def _deferrable(name: str, module: nn.Module) -> bool:
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and not parametrize.is_parametrized(module)
-            and "_orig_mod" not in name.split("."))  # inside a compiled module
 
 
 def _plain_leaf(tensor: torch.Tensor | None) -> bool:
@@ -119,16 +92,13 @@ class ChunkSplit:
         return self._installed
 
     def install(self) -> None:
-        """Switch the chunk's deferrable Linear layers on (once; ``"graph"``: never)."""
+        """Switch the chunk's deferrable layers on (once; ``"graph"``: never)."""
         if self._installed or self.mode == "graph":
             return
         self._installed = True
         if _sharded(self._layers):
             return  # FSDP's hooks expect weight gradients in the backward: the graph split
-        for name, module in self._layers.named_modules():
-            if _deferrable(name, module) and not isinstance(module.__dict__.get("forward"),
-                                                            _LinearForward):
-                module.forward = _LinearForward(module)
+        switch_on(self._layers)
 
     def begin_step(self) -> None:
         """Forget what the previous step's forwards deferred."""
@@ -139,16 +109,15 @@ class ChunkSplit:
         """Called by a deferred layer's backward: its share of W (``deferred_linear``)."""
         self.records.append(record)
 
-    def defers(self, module: nn.Linear, input: torch.Tensor) -> bool:
-        """Whether this call of ``module`` defers its weight gradient (and note it if so)."""
-        # Read from the module's own parameters, never through ``module.weight``: a
-        # parametrization computes it anew on every read (spectral norm steps its vectors).
-        weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
-        if weight is None or "bias" not in module._parameters or not weight.requires_grad \
-                or not _plain_leaf(weight) or not _plain_leaf(bias):
+    def defers(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               multiply_adds: int) -> bool:
+        """Whether a layer's call defers its weight gradient, of about ``multiply_adds``
+        (and note it if so): both parameters plain leaves, the product big enough (``"auto"``)."""
+        if weight is None or not weight.requires_grad or not _plain_leaf(weight) \
+                or not _plain_leaf(bias):
             return False
-        if self.mode == "auto" and input.numel() * weight.shape[0] < MIN_PRODUCT:
-            return False  # rows x in x out multiply-adds
+        if self.mode == "auto" and multiply_adds < MIN_PRODUCT:
+            return False
         deferred = self._deferred.setdefault(self._microbatch, set())
         deferred.add(id(weight))
         if bias is not None:
@@ -158,11 +127,11 @@ class ChunkSplit:
     @contextmanager
     def _switched_on(self, microbatch: int) -> Iterator[None]:
         self._microbatch = microbatch
-        token = _ACTIVE.set(self)
+        token = ACTIVE.set(self)
         try:
             yield
         finally:
-            _ACTIVE.reset(token)
+            ACTIVE.reset(token)
 
     @contextmanager
     def forwarding(self, microbatch: int) -> Iterator[None]:

@@ -45,7 +45,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
-from split_backward.deferred_linear import Records, weight_seeds
+from split_backward.records import Records, weight_root
 from split_backward.weight_rules import Deferred, fused, prepare
 
 Grads = tuple[torch.Tensor | None, ...]
@@ -142,14 +142,17 @@ class WeightGradients:
         with torch.no_grad():
             for capture in self.captures:
                 seeds.extend(capture.exit_grads())
-            seeds.extend(weight_seeds(self.records))
+        root = weight_root(self.records)
         self.seeds, self.captures, self.records = [], [], Records()
-        if seeds:
+        roots: list[torch.Tensor | GradientEdge] = [GradientEdge(*slot) for slot, _ in seeds]
+        grads = [g for _, g in seeds]
+        if root is not None:
+            roots.append(root)
+            grads.append(torch.empty(0))
+        if roots:
             # Through the seeds' own nodes (a Linear's weight.t(), say): a gradient the
             # engine makes is one AccumulateGrad may keep as .grad without a copy.
-            _engine([GradientEdge(*slot) for slot, _ in seeds], [g for _, g in seeds],
-                    keep_graph=False, accumulate=True)
-
+            _engine(roots, grads, keep_graph=False, accumulate=True)
 
     def held(self) -> list[torch.Tensor]:
         """The tensors kept for W: captured gradients and the saved tensors rules read."""

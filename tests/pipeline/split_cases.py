@@ -139,6 +139,30 @@ class Twice(nn.Module):
         return self.linear(torch.tanh(self.linear(x)))
 
 
+class SelfAttention(nn.Module):
+    """Each row as two tokens through ``nn.MultiheadAttention`` (which calls linear on its own
+    weights, not through Linear modules), with a residual; rows stay independent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH // 2, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.view(x.shape[0], 2, WIDTH // 2)
+        return x + self.attention(tokens, tokens, tokens, need_weights=False)[0].reshape(x.shape)
+
+
+class Convolution(nn.Module):
+    """Each row as two channels of four positions through a Conv1d (reflect-padded) and back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 2, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x.view(x.shape[0], 2, WIDTH // 2))).reshape(x.shape)
+
+
 class Norms(nn.Module):
     """A LayerNorm and a GroupNorm (``hook_norms`` hooks their parameters)."""
 
@@ -229,6 +253,16 @@ def _reentrant_model() -> nn.Sequential:
                          Reentrant(), nn.Linear(WIDTH, 3))
 
 
+def _attention_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), SelfAttention(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                         SelfAttention(), nn.Linear(WIDTH, 3))
+
+
+def _convolution_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Convolution(), Convolution(), nn.Linear(WIDTH, WIDTH),
+                         Convolution(), nn.Linear(WIDTH, 3))
+
+
 def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
                          nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
@@ -255,6 +289,8 @@ CASES = {
     "hooked outputs": Case(_hooked_outputs_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
     "tied head in a chunk": Case(_tied_head_model, nn.CrossEntropyLoss, (4, 3), (2, 1, 1, 3)),
     "a Linear called twice": Case(_twice_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "self-attention": Case(_attention_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "convolutions": Case(_convolution_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
     "hooked norm parameters": Case(_hooked_norms_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1),
                                    hooks=hook_norms),
 }

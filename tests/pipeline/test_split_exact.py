@@ -5,7 +5,8 @@ another, ``(h, h.mean(1))``; a weight tied between two layers of one chunk; one
 block instance at three positions (ALBERT-style); a loss with a learnable
 temperature; a reentrant checkpoint; tensor hooks on layer outputs where the
 split captures their gradient and on norm parameters; a head whose weight a soft
-embedding in the same chunk reads; a Linear called twice. Every split schedule
+embedding in the same chunk reads; a Linear called twice; ``nn.MultiheadAttention``, whose
+projections are functional linear calls on its own weights; reflect-padded convolutions. Every split schedule
 (1F1B as the control), every checkpoint mode and both split paths (the graph
 split, and Linear layers deferring their own weight gradients with the graph split
 for the rest): each held gradient, the loss's parameter included, equals the unpipelined
@@ -67,7 +68,7 @@ def test_gradients_equal_the_plain_models(runtime: str, case: str) -> None:
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("case", ["loss with a parameter", "hooked norm parameters",
                                   "weight tied in a chunk", "tied head in a chunk",
-                                  "a Linear called twice"])
+                                  "a Linear called twice", "self-attention", "convolutions"])
 def test_post_accumulate_hooks_fire_once_per_microbatch(runtime: str, case: str) -> None:
     def once_each(row: dict[str, Any]) -> str | None:
         return None if row["hooks"] == [CHUNKS] else f"hooks fired {row['hooks']} times"

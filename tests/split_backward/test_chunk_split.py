@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from split_backward import ChunkSplit, WeightGradients
-from split_backward.chunk_split import _LinearForward
+from split_backward.switched_layers import _AttentionForward, _LinearForward
 
 TOLERANCE = 1e-10
 
@@ -49,6 +49,33 @@ class Twice(nn.Module):
 
     def forward(self, x):
         return self.linear(torch.tanh(self.linear(x)))
+
+
+class Attention(nn.Module):
+    """A pre-norm self-attention block with an MLP; ``cross`` attends to a projection of the
+    input instead; ``tied`` reads the out-projection's weight once more."""
+
+    def __init__(self, width=16, heads=2, dropout=0.0, batch_first=True, need_weights=False,
+                 masked=False, cross=False, tied=False, kdim=None, bias=True):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, bias=bias,
+                                               batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.memory = nn.Linear(width, kdim or width)
+        self.mlp = nn.Linear(width, width)
+        self.options = dict(need_weights=need_weights, masked=masked, cross=cross, tied=tied)
+
+    def forward(self, x):
+        options = self.options
+        h = self.norm(x)
+        kv = self.memory(torch.tanh(x)) if options["cross"] else h
+        length = x.shape[1] if self.attention.batch_first else x.shape[0]
+        mask = torch.triu(torch.ones(length, length, dtype=torch.bool), 1) if options["masked"] else None
+        a, _ = self.attention(h, kv, kv, need_weights=options["need_weights"], attn_mask=mask)
+        x = x + a
+        if options["tied"]:
+            x = x + torch.tanh(x) @ self.attention.out_proj.weight
+        return x + self.mlp(x)
 
 
 def _mlp():
@@ -85,12 +112,17 @@ def _compare(build, mode="layers", microbatches=3, rows=6, grad_input=True, shap
     for microbatch in range(microbatches):
         x = torch.randn(rows, *shape)
         model.zero_grad(set_to_none=True)
+        seed = torch.seed()  # the same dropout draws in both forwards
         found, weights = _step(split, model, x, microbatch, grad_input)
         weights.run()
+        torch.manual_seed(seed)
         expected = _reference(reference, x, grad_input)
         if grad_input:
             assert (found[0] - expected).abs().max() < TOLERANCE
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if q.grad is None:  # a parameter this model leaves unused
+                assert p.grad is None, name
+                continue
             assert p.grad is not None, name
             assert (p.grad - q.grad).abs().max() < TOLERANCE, name
     return split, weights, readings
@@ -307,6 +339,75 @@ def test_bf16_autocast_matches_the_plain_backward_under_autocast():
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.grad.dtype == torch.float32
         assert (p.grad - q.grad).abs().max() <= 1e-2 * max(1.0, q.grad.abs().max())
+
+
+def test_attention_projections_defer_their_weight_gradients():
+    """MultiheadAttention calls linear on its own parameters (the packed in-projection, the
+    out-projection): their weight gradients are left for W, with the MLP's."""
+    model, weights = _records_of_last(Attention, rows=3, shape=(5, 16))
+    assert len(weights.records) == 3 and not weights.captures
+    attention = model.attention
+    assert attention.in_proj_weight.grad is None and attention.out_proj.weight.grad is None
+    assert attention.in_proj_bias.grad is None and model.norm.weight.grad is not None
+    weights.run()
+    assert attention.in_proj_weight.grad is not None and attention.out_proj.bias.grad is not None
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"need_weights": True}, {"batch_first": False}, {"masked": True},
+    {"dropout": 0.3}, {"dropout": 0.3, "need_weights": True, "masked": True}],
+    ids=["plain", "weights", "sequence first", "causal mask", "dropout", "dropout weights mask"])
+def test_attention_is_exact(options):
+    _compare(lambda: Attention(**options), rows=3, shape=(5, 16), microbatches=3)
+
+
+def test_cross_attention_defers_the_out_projection_and_leaves_the_sliced_ones():
+    """Query apart from key and value: torch slices the packed weight (w.split), a view that
+    cannot defer; the out-projection still does."""
+    model, weights = _records_of_last(lambda: Attention(cross=True), rows=3, shape=(5, 16))
+    assert len(weights.records) == 3  # memory, out-projection, mlp
+    assert model.attention.in_proj_weight.grad is not None
+    assert model.attention.out_proj.weight.grad is None
+    _compare(lambda: Attention(cross=True), rows=3, shape=(5, 16))
+
+
+def test_separate_projection_weights_defer():
+    build = lambda: Attention(cross=True, kdim=8, bias=False)  # noqa: E731
+    model, weights = _records_of_last(build, rows=3, shape=(5, 16))
+    assert len(weights.records) == 6  # memory, q, k, v, out-projection, mlp
+    assert model.attention.q_proj_weight.grad is None
+    _compare(build, rows=3, shape=(5, 16))
+
+
+def test_attention_weight_read_elsewhere_and_attention_called_twice_accumulate_once():
+    def hooks(model):
+        calls = {}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, seen=calls.setdefault(name, []): seen.append(p.grad.clone()))
+        return calls
+
+    for build in (lambda: Attention(tied=True), lambda: nn.Sequential(*[Attention()] * 2)):
+        _, _, (mine, theirs) = _compare(build, rows=3, shape=(5, 16), hooks=hooks)
+        assert list(mine) == list(theirs)
+        for name in mine:
+            wanted = 0 if "memory" in name else 3  # unused without cross-attention
+            assert len(mine[name]) == len(theirs[name]) == wanted, name
+            for found, expected in zip(mine[name], theirs[name]):
+                assert (found - expected).abs().max() < TOLERANCE, name
+
+
+def test_attention_outside_the_split_is_its_own():
+    torch.manual_seed(0)
+    model = Attention()
+    split = ChunkSplit(model, "layers")
+    split.install()
+    assert isinstance(model.attention.__dict__["forward"], _AttentionForward)
+    copied = pickle.loads(pickle.dumps(model))
+    assert copied.attention.forward.module is copied.attention
+    model(torch.randn(3, 5, 16)).sum().backward()
+    assert all(p.grad is not None for name, p in model.named_parameters()
+               if not name.startswith("memory")) and not split.records
 
 
 def test_an_unknown_mode_is_refused():
