@@ -132,16 +132,25 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def one_round(model: nn.Module, x: torch.Tensor, first: int) -> dict[str, float]:
-    """Seconds of B, of I and W on each of our paths and on torch's, each after a fresh
-    forward; they take turns going first (``first``), so that none always follows the same."""
-    from split_backward import ChunkSplit, backward_input
+def chunk_splits(model: nn.Module) -> dict[str, Any]:
+    """The ``ChunkSplit`` of each path that switches layers, switched on, as a Pipe keeps one
+    per chunk for the whole run (what it learns on the first micro-batch is kept)."""
+    from split_backward import ChunkSplit
 
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    times: dict[str, float] = {}
     splits = {path: ChunkSplit(model, path) for path in PATHS if path != "graph"}
     for split in splits.values():
         split.install()
+    return splits
+
+
+def one_round(model: nn.Module, x: torch.Tensor, first: int,
+              splits: dict[str, Any]) -> dict[str, float]:
+    """Seconds of B, of I and W on each of our paths and on torch's, each after a fresh
+    forward; they take turns going first (``first``), so that none always follows the same."""
+    from split_backward import backward_input
+
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    times: dict[str, float] = {}
 
     def forward(path: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         leaf = x.detach().requires_grad_()
@@ -191,7 +200,8 @@ def measure(name: str, repeat: int, warmup: int = 3, device: str = "cpu") -> dic
     """Medians over ``repeat`` rounds (after ``warmup``) for one stage, on ``device``."""
     model, x = make_stage(name)
     model, x = model.to(device), x.to(device)
-    rounds = [one_round(model, x, index) for index in range(warmup + repeat)][warmup:]
+    splits = chunk_splits(model)
+    rounds = [one_round(model, x, index, splits) for index in range(warmup + repeat)][warmup:]
     return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
 
 

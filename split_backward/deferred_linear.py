@@ -34,7 +34,9 @@ class LinearRecord(Record):
     """A linear call's share of W: its input as rows, the gradient of its output."""
 
     def products(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows = self.grad_output.reshape(-1, self.grad_output.shape[-1])
+        rows = self.grad_output
+        if rows.dim() != 2:
+            rows = rows.reshape(-1, rows.shape[-1])
         # (out, rows) @ (rows, in): the weight's own layout, so AccumulateGrad keeps it.
         return rows.t().mm(self.input), rows.sum(0) if bias else None
 

@@ -43,24 +43,24 @@ def cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor
     return tensor.to(dtype)
 
 
-def _wants_bias(record: Record) -> bool:
-    return record.bias is not None and record.bias.requires_grad
-
-
-def _sums(records: Records) -> dict[int, torch.Tensor]:
-    """Each parameter's summed gradient over ``records``, by id. Runs under no_grad."""
-    sums: dict[int, torch.Tensor] = {}
+def _sums(records: Records) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each parameter and its summed gradient over ``records``, by id. Runs under no_grad."""
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for record in records:
-        wants_bias = _wants_bias(record)
+        bias = record.bias
+        wants_bias = bias is not None and bias.requires_grad
         weight_grad, bias_grad = record.products(wants_bias)
-        for parameter, grad in ((record.weight, weight_grad), (record.bias, bias_grad)):
-            if parameter is None or grad is None:
-                continue
-            found = sums.get(id(parameter))
+        found = sums.get(id(record.weight))
+        if found is None:
+            sums[id(record.weight)] = (record.weight, weight_grad)
+        else:
+            found[1].add_(weight_grad)
+        if bias is not None and bias_grad is not None:
+            found = sums.get(id(bias))
             if found is None:
-                sums[id(parameter)] = grad
+                sums[id(bias)] = (bias, bias_grad)
             else:
-                found.add_(grad)
+                found[1].add_(bias_grad)
     return sums
 
 
@@ -68,32 +68,29 @@ class _Products(torch.autograd.Function):
     """W's products as a node whose inputs are the deferred parameters."""
 
     @staticmethod
-    def forward(ctx: Any, records: Records, *parameters: torch.Tensor) -> torch.Tensor:
-        ctx.records = records
-        ctx.ids = [id(p) for p in parameters]
+    def forward(ctx: Any, grads: list[torch.Tensor], *parameters: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
         return torch.empty(0)
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        sums = _sums(ctx.records)
-        ctx.records = None
-        # Returned, not held: AccumulateGrad keeps a gradient only this node referred to
-        # as .grad without a copy (a seed given to the engine stays held by it: each was
-        # copied, 24 copies a W on the GPT stage).
-        return (None, *(sums.pop(key) for key in ctx.ids))
+        grads, ctx.grads = ctx.grads, None
+        # Returned, and held nowhere else: AccumulateGrad keeps such a gradient as .grad
+        # without a copy (a seed given to the engine stays held by it: each was copied, 24
+        # copies a W on the GPT stage).
+        return (None, *grads)
 
 
 def weight_root(records: Records) -> torch.Tensor | None:
     """A root whose backward (seeded with ``torch.empty(0)``) accumulates ``records``' products
-    into their parameters; None where there are none."""
-    parameters: dict[int, torch.Tensor] = {}
-    for record in records:
-        parameters[id(record.weight)] = record.weight
-        if _wants_bias(record):
-            assert record.bias is not None
-            parameters[id(record.bias)] = record.bias
-    if not parameters:
+    into their parameters; None where there are none. The products run here."""
+    with torch.no_grad():
+        sums = _sums(records)
+    if not sums:
         return None
+    parameters = [parameter for parameter, _ in sums.values()]
+    grads = [grad for _, grad in sums.values()]
+    del sums
     with torch.enable_grad():
-        root: torch.Tensor = _Products.apply(records, *parameters.values())  # type: ignore[no-untyped-call]
+        root: torch.Tensor = _Products.apply(grads, *parameters)  # type: ignore[no-untyped-call]
     return root
