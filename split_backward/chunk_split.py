@@ -43,7 +43,7 @@ from split_backward.graph_split import (
     backward_input,
     whole_backward,
 )
-from split_backward.switched_layers import ACTIVE, switch_on
+from split_backward.switched_layers import ACTIVE, switch_off, switch_on, switched
 
 SplitMode = Literal["auto", "layers", "graph"]
 SPLIT_MODES: tuple[str, ...] = get_args(SplitMode)
@@ -200,6 +200,19 @@ class ChunkSplit:
                 id(getattr(node, "variable", None)) in deferred
                 for node in _nodes(get_gradient_edge(root).node for root in roots))
         return known
+
+
+@contextmanager
+def trial_split(layers: nn.Module, mode: SplitMode = "auto") -> Iterator[ChunkSplit]:
+    """A ``ChunkSplit`` of ``layers``, switched on, to time or size I and W as a chunk runs
+    them (``partitioners``' profile); afterwards the layers it switched are as they were."""
+    before = frozenset(id(module) for module in layers.modules() if switched(module))
+    split = ChunkSplit(layers, mode)
+    split.install()
+    try:
+        yield split
+    finally:
+        switch_off(layers, keep=before)
 
 
 def _nodes(roots: Iterator[Node]) -> Iterator[Node]:

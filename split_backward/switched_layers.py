@@ -196,6 +196,13 @@ def switch_on(layers: nn.Module) -> int:
     return switched
 
 
+def switch_off(layers: nn.Module, keep: frozenset[int] = frozenset()) -> None:
+    """Take the switched forwards off ``layers``' modules, but those whose ids are in ``keep``."""
+    for module in layers.modules():
+        if switched(module) and id(module) not in keep:
+            del module.forward
+
+
 def switched(module: nn.Module) -> bool:
     """Whether ``module`` has a switched forward."""
     return isinstance(module.__dict__.get("forward"),

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 from torch import nn
 from tqdm import tqdm
 
+from split_backward import SplitMode, check_mode, trial_split
 from partitioners.measure.cost import LayerCost, LossCost, Profile
 from partitioners.measure.microbatch import first_microbatch
 from partitioners.measure.tensors import (
@@ -42,6 +43,7 @@ def profile(
     microbatches: int | None = None,
     loss_fn: Callable[..., Any] | None = None,
     target: Any = None,
+    split_backward: SplitMode = "auto",
 ) -> Profile:
     """Measure every layer of ``model`` on one micro-batch, one LayerCost per layer, in order.
 
@@ -81,6 +83,9 @@ def profile(
         loss_fn: ``loss_fn(output, target)``, measured on the last layer's output:
             its forward and its backward, in ``Profile.loss``.
         target: the loss target for the whole sample (cut like the sample).
+        split_backward: how I and W split, as ``Pipe(split_backward=...)``: each layer's
+            I and W (and ``weight_bytes``) are timed as a chunk runs them after its
+            first I (``split_backward.trial_split``).
 
     Returns:
         A Profile: a list with one LayerCost per layer (forward, backward,
@@ -100,6 +105,7 @@ def profile(
         RuntimeError: a layer or the loss failed; the message names it.
     """
     _check_arguments(model, sample, warmup, repeat)
+    split_backward = check_mode(split_backward)
     if (loss_fn is None) != (target is None):
         given = "loss_fn without a target" if target is None else "a target without loss_fn"
         raise ValueError(f"expected loss_fn and target together, or neither; got {given}")
@@ -123,7 +129,8 @@ def profile(
         layers = tqdm(
             model, desc="profile", unit="layer", disable=not show, file=sys.stderr, leave=False
         )
-        costs, inputs, kept_output = _measure_layers(layers, inputs, device_, warmup, repeat)
+        costs, inputs, kept_output = _measure_layers(layers, inputs, device_, warmup, repeat,
+                                                     split_backward)
         loss = None
         if loss_fn is not None:
             loss = _measure_loss(loss_fn, inputs, to_device(target, device_), device_,
@@ -132,7 +139,8 @@ def profile(
 
 
 def _measure_layers(
-    layers: Any, inputs: Any, device: torch.device, warmup: int, repeat: int
+    layers: Any, inputs: Any, device: torch.device, warmup: int, repeat: int,
+    split_backward: SplitMode = "auto",
 ) -> tuple[list[LayerCost], Any, list[bool]]:
     """Every layer's cost, in order, the last layer's (detached) output, and which of its
     tensors the last layer saves."""
@@ -142,7 +150,8 @@ def _measure_layers(
     for index, layer in enumerate(layers):
         try:
             cost, inputs, kept_output = _measure(layer, inputs, index > 0, device, warmup,
-                                                 repeat, charged, kept_output, index)
+                                                 repeat, charged, kept_output, index,
+                                                 split_backward)
         except Exception as error:  # noqa: BLE001 - re-raised with the layer named
             raise RuntimeError(
                 f"profiling layer {index} ({type(layer).__name__}) failed: {error}"
@@ -240,6 +249,7 @@ def _measure(
     charged: dict[int, int],
     kept_before: list[bool],
     index: int = 0,
+    split_backward: SplitMode = "auto",
 ) -> tuple[LayerCost, Any, list[bool]]:
     """Time one layer on ``inputs``; return its cost, its (detached) output, and per
     output tensor whether the layer saves it for its backward.
@@ -259,18 +269,21 @@ def _measure(
     kept_input = sum(nbytes(tensor) for tensor in tensors_of(fresh) if counter.saved(tensor))
     kept_output = [counter.saved(tensor) for tensor in tensors_of(output)]
     del output, fresh
-    weight_bytes = held_for_weights(layer, inputs, grad_input, storage_pointers(layer))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "input": [], "weight": []}
-    for run in range(warmup + repeat):
-        forward, backward, output = run_full(layer, inputs, grad_input, device)
+    with trial_split(layer, split_backward) as split:
+        weight_bytes = held_for_weights(layer, inputs, grad_input, storage_pointers(layer), split)
         for parameter in layer.parameters():
             parameter.grad = None
-        backward_input, backward_weight = run_split(layer, inputs, grad_input, device)
-        for parameter in layer.parameters():
-            parameter.grad = None
-        if run >= warmup:
-            for key, value in zip(times, (forward, backward, backward_input, backward_weight)):
-                times[key].append(value)
+        for run in range(warmup + repeat):
+            forward, backward, output = run_full(layer, inputs, grad_input, device)
+            for parameter in layer.parameters():
+                parameter.grad = None
+            backward_input, backward_weight = run_split(layer, inputs, grad_input, device, split)
+            for parameter in layer.parameters():
+                parameter.grad = None
+            if run >= warmup:
+                for key, value in zip(times, (forward, backward, backward_input, backward_weight)):
+                    times[key].append(value)
     median = {key: statistics.median(values) for key, values in times.items()}
     param_bytes, tied = _charge(layer, index, charged)
     cost = LayerCost(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from split_backward import backward_input
+from split_backward import ChunkSplit
 from partitioners.measure.tensors import fresh_inputs, storage_bytes, tensors_of
 
 
@@ -60,21 +60,25 @@ def run_full(
 
 
 def run_split(
-    module: nn.Module, inputs: Any, grad_input: bool, device: torch.device
+    module: nn.Module, inputs: Any, grad_input: bool, device: torch.device, split: ChunkSplit
 ) -> tuple[float, float]:
     """A forward (untimed), then the split backward as the runtime runs it: (I seconds, W seconds).
 
-    I is ``split_backward.backward_input`` (the input gradients, and
-    what W needs); W is its ``run`` (the weight gradients only, accumulated into
+    ``split`` is the module's ``ChunkSplit`` (``split_backward.trial_split``), switched on,
+    as a chunk's is after its first I: layers that defer their weight gradients do, the
+    graph split covers the rest. I is its ``backward_input`` (the input gradients, and
+    what W needs); W is their ``run`` (the weight gradients only, accumulated into
     ``.grad``; the caller clears them). Either is 0 where there is nothing to do.
     """
+    split.begin_step()
     fresh, leaves = fresh_inputs(inputs, grad_input)
-    roots, grads = _roots(module(fresh))
+    with split.forwarding(0):
+        roots, grads = _roots(module(fresh))
     if not roots:
         return 0.0, 0.0
     backward_input_seconds, (_, weights) = _timed(
-        device, lambda: backward_input(roots, list(grads), leaves))
-    if not leaves:
+        device, lambda: split.backward_input(roots, list(grads), leaves, 0))
+    if not leaves and not weights.records:
         backward_input_seconds = 0.0  # nothing to differentiate: the whole backward is W's
     if weights.empty:
         return backward_input_seconds, 0.0
@@ -82,19 +86,24 @@ def run_split(
     return backward_input_seconds, backward_weight_seconds
 
 
-def held_for_weights(module: nn.Module, inputs: Any, grad_input: bool, exclude: set[int]) -> int | None:
-    """Bytes a forward then I leave alive for W, storages in ``exclude`` (parameters) aside.
+def held_for_weights(module: nn.Module, inputs: Any, grad_input: bool, exclude: set[int],
+                     split: ChunkSplit) -> int | None:
+    """Bytes a forward then I (of ``split``, as in ``run_split``) leave alive for W,
+    storages in ``exclude`` (parameters) aside.
 
     Returns:
-        The bytes of the saved tensors W reads and the gradients I captured, or None
-        where the whole graph stays until W (a node without a weight rule, or no
-        input gradient to compute, as for a first layer whose input needs none).
+        The bytes of the saved tensors W reads, the gradients I captured and what the
+        deferring layers recorded, or None where the whole graph stays until W (a node
+        without a weight rule, or no input gradient to compute and no layer deferring,
+        as for a first layer whose input needs none).
     """
+    split.begin_step()
     fresh, leaves = fresh_inputs(inputs, grad_input)
-    roots, grads = _roots(module(fresh))
+    with split.forwarding(0):
+        roots, grads = _roots(module(fresh))
     if not roots:
         return 0
-    _, weights = backward_input(roots, list(grads), leaves)
+    _, weights = split.backward_input(roots, list(grads), leaves, 0)
     if weights.keeps_graph:
         return None
     return storage_bytes(weights.held(), exclude)

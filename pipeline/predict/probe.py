@@ -115,7 +115,7 @@ def probe_chunk(
     with untouched(chunk):
         counting = probe_runner(chunk, "never", tracked=True)
         counting.begin_step(0, microbatches)
-        output, saved = _saved_by_forward(counting, inputs, target)
+        output, saved = _saved_by_forward(counting, inputs, target, split)
         kept_for_w = _kept_for_weights(counting, output) if split else saved
         counting.begin_step(0, microbatches)
         # Timed as the runtime runs: with the tracker's hooks only if the Pipe has them.
@@ -157,14 +157,22 @@ def probe_runner(chunk: ChunkRunner, checkpoint: CheckpointMode, tracked: bool) 
                        tracker, chunk.rng_lock, chunk.grad_lock)
 
 
-def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any) -> tuple[Any, int]:
+def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any,
+                      split: bool = False) -> tuple[Any, int]:
     """One forward keeping its graph (micro-batch 1): its output and the bytes the tracker saw
     it save. Micro-batch 0 runs and is dropped first: the first forward of a step runs on a
-    copy of its input (to learn whether a layer writes it in place), which the others do not."""
+    copy of its input (to learn whether a layer writes it in place), which the others do not.
+    With ``split`` its backward is an I and a W: a chunk switches its deferring layers on at
+    its first I, so micro-batch 1 saves and keeps what a step's later ones do."""
     tracker = runner.tracker
     assert tracker is not None
     first = runner.forward(0, inputs, target, 1.0)
-    runner.backward(0, ones_like_outputs(first, runner.spec.is_last))
+    grads = ones_like_outputs(first, runner.spec.is_last)
+    if split:
+        runner.backward_input(0, grads)
+        runner.backward_weight(0)
+    else:
+        runner.backward(0, grads)
     tracker.reset_peaks()
     before = tracker.report().peak_bytes
     output = runner.forward(1, inputs, target, 1.0)

@@ -367,3 +367,21 @@ def test_a_tensor_two_neighbours_save_counts_once_in_a_chunk(inplace: bool) -> N
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                 chunk(inputs.clone() if inplace else inputs)
             assert saved_bytes_of(layers[first:end]) == counter.total, (first, end)
+
+
+@pytest.mark.parametrize("path", ["graph", "layers"])
+def test_i_and_w_are_those_of_the_split_the_runtime_runs(path: str) -> None:
+    """The first layer's input needs no gradient: the graph split's I computes nothing and
+    keeps the whole graph for W (weight_bytes None, I 0 s), while a Linear that defers its
+    weight gradient runs I (nothing) and keeps for W exactly its input and its output's
+    gradient. profile(split_backward=...) measures the path asked for, and leaves the
+    model's layers as they were."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    costs = profile(model, torch.randn(8, 16), warmup=1, repeat=2, split_backward=path)
+    if path == "graph":
+        assert costs[0].weight_bytes is None
+    else:
+        assert costs[0].weight_bytes == (8 * 16 + 8 * 32) * 4
+        assert costs[2].weight_bytes == (8 * 32 + 8 * 8) * 4
+    assert not any("forward" in module.__dict__ for module in model)
