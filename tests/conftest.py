@@ -34,6 +34,7 @@ PROCESS_NAMES = frozenset({"run_ranks", "run_ranks_raw", "subprocess", "nbclient
 # survive a move to another folder. Remeasure with
 #   pytest -m "not slow" -p no:randomly --durations=0
 MEASURED = frozenset({
+    "test_traced_exact.py::test_more_families_as_written",  # 8-12 s a case (a trace each)
     "test_plan.py::test_the_pick_is_the_fastest_that_fits",  # 47 s
     "test_comm.py::test_every_registered_schedule_gets_a_plan_that_validates",  # 26-53 s
     "test_plan.py::test_an_impossible_limit_names_the_smallest_that_fits",  # 18 s
