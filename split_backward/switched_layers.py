@@ -44,8 +44,9 @@ class Deferring(Protocol):
     """What a switched layer asks of the split that is on (``chunk_split.ChunkSplit``)."""
 
     def defers(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               multiply_adds: int) -> bool:
-        """Whether this call defers its weight gradient (noted if so)."""
+               multiply_adds: int, convolution: bool = False) -> bool:
+        """Whether this call defers its weight gradient (noted if so); ``multiply_adds``
+        estimates its cost."""
 
     def record(self, record: Record) -> None:
         """A deferred product's share of W, from its backward."""
@@ -144,7 +145,7 @@ class _ConvolutionForward:
         if split is not None and weight is not None and torch.is_grad_enabled() \
                 and input.dim() == dimensions + 2 and not isinstance(module.padding, str):
             if split.defers(weight, parameters["bias"],
-                            multiply_adds(input, weight, module.stride)):
+                            multiply_adds(input, weight, module.stride), convolution=True):
                 padding = module.padding
                 if module.padding_mode != "zeros":
                     input = functional.pad(input, module._reversed_padding_repeated_twice,
