@@ -45,7 +45,7 @@ class Geometry:
         return found
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ConvolutionRecord(Record):
     """A convolution's share of W: its (cast) input and weight, its output's gradient, its geometry."""
 

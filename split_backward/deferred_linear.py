@@ -29,7 +29,7 @@ from torch.nn import functional
 from split_backward.records import Record, cast
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LinearRecord(Record):
     """A linear call's share of W: its input as rows, the gradient of its output."""
 
@@ -76,8 +76,11 @@ class DeferredLinear(torch.autograd.Function):
         rows, weight_used = ctx.saved_tensors
         weight, bias = ctx.parameters
         ctx.record(LinearRecord(weight, bias, rows, grad_output))
-        grad_input = grad_output.matmul(weight_used) if ctx.needs_input_grad[0] else None
-        return grad_input, None, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        if grad_output.dim() == 2:
+            return grad_output.mm(weight_used), None, None, None
+        return grad_output.matmul(weight_used), None, None, None
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+@dataclass(slots=True)  # not frozen: one is made in every deferred backward, and frozen
+class Record:               # fields are set through object.__setattr__, a call each
     """One call's share of W: its parameters, the (cast) input and output gradient it read."""
 
     weight: torch.Tensor
