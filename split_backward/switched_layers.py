@@ -16,7 +16,9 @@ the class's own forward.
   without a bias); a call on a slice of one (cross-attention's ``w.split``) runs as
   torch's, its weight gradient in I. Rebinding rather than rewriting keeps every
   mask, dropout draw and shape rule torch's own; were a later torch to stop calling
-  ``linear`` by that name, the layer would simply defer nothing.
+  ``linear`` by that name, the layer would simply defer nothing. The copy reads
+  ``torch.nn.functional`` as it was when this module was imported: a function patched
+  into it later (a custom attention kernel) is not seen by a switched layer.
 
 A ``TorchFunctionMode`` over the chunk would see every functional call, but it cost
 the GPT stage's forward 17% (0.8 ms of 4.9 ms) and never sees inside
