@@ -272,12 +272,13 @@ class Pipe(ModelLike):
         counts them); None for a Sequential."""
         if self._traced is None:
             return None
+        infos: tuple[Any, ...] = self._traced.units
         if self._balance is None:
-            return self._traced.units
+            return infos
         chunk_of = [c for c, count in enumerate(self._balance) for _ in range(count)]
         return tuple(replace(info, chunk=chunk_of[info.index],
                              stage=self._schedule.placement[chunk_of[info.index]])
-                     for info in self._traced.units)
+                     for info in infos)
 
     @property
     def balance(self) -> list[int] | None:

@@ -1,5 +1,6 @@
 """Checkpoints of a traced model are keyed by the model's own names: a pipeline's loads into
-the plain model (load_into_model), the plain model's into a pipeline cut another way."""
+the plain model (load_into_model), the plain model's into a pipeline cut another way (one
+process here; two ranks in test_traced_ranks.py, in its one spawn)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import torch
 
 from pipeline import Pipe, load_checkpoint, load_into_model, save_checkpoint
 from pipeline.checkpoints import save_model_checkpoint
-from pipeline.group.launch import run_ranks
 from traced_models import build, loss_options, reference
-from traced_workers import save_on_ranks
 
 
 def _train_plain(model: torch.nn.Module, batch, target, steps: int) -> torch.optim.Optimizer:
@@ -72,15 +71,3 @@ def test_a_pipeline_checkpoint_loads_into_the_plain_model_and_back(tmp_path: Pat
     reference(trained_plain, batch, target, "llama")
     plain_optimizer.step()
     assert _worst(again, trained_plain) < 1e-10
-
-
-def test_a_checkpoint_saved_on_two_ranks_loads_into_the_plain_model(tmp_path: Path) -> None:
-    keys_0, keys_1 = run_ranks(save_on_ranks, 2, str(tmp_path / "ranks"))
-    model, batch, target = build("llama")
-    assert set(keys_0) | set(keys_1) == set(model.state_dict())
-    trained_plain = copy.deepcopy(model)
-    plain_optimizer = _train_plain(trained_plain, batch, target, 2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    assert load_into_model(model, optimizer, tmp_path / "ranks") == 2
-    assert _worst(model, trained_plain) < 1e-10
-    assert _optimizer_worst(optimizer, plain_optimizer) < 1e-10

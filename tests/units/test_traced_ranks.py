@@ -3,13 +3,15 @@ state gathered under the model's own keys."""
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline.group.launch import run_ranks
 from traced_models import build
-from traced_workers import exact_on_ranks, lengths_on_ranks, state_on_ranks
+from traced_workers import exact_on_ranks, lengths_on_ranks, save_on_ranks, state_on_ranks
 
 TOLERANCE = 1e-10
 KINDS = ["llama", "gpt2", "looped"]
@@ -17,16 +19,22 @@ SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipe-v"]
 MODES = ["never", "always"]
 
 
-def _in_turn(rank: int, world: int) -> list[Any]:
+def _in_turn(rank: int, world: int, directory: str) -> list[Any]:
     return [exact_on_ranks(rank, world, KINDS, SCHEDULES, MODES), state_on_ranks(rank, world),
             exact_on_ranks(rank, world, ["llama"], ["zb-v"], ["always"], "ordered"),
-            lengths_on_ranks(rank, world, [12, 7, 20])]
+            lengths_on_ranks(rank, world, [12, 7, 20]), save_on_ranks(rank, world, directory)]
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[list[Any]]:
-    """One spawn for both tests (a spawn, torch's and transformers' imports cost seconds)."""
-    return run_ranks(_in_turn, 2)
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traced") / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(saved: Path) -> list[list[Any]]:
+    """One spawn for every test here (a spawn, torch's and transformers' imports and the
+    traces cost seconds)."""
+    return run_ranks(_in_turn, 2, str(saved))
 
 
 def test_two_ranks_every_model_schedule_and_mode(two_ranks: list[list[Any]]) -> None:
@@ -64,3 +72,28 @@ def test_gathered_state_is_the_plain_models_under_its_own_keys(two_ranks: list[l
     assert not set(keys_0) >= expected and not set(keys_1) >= expected  # each holds its share
     assert worst < TOLERANCE
     assert loaded
+
+
+def test_a_checkpoint_saved_on_two_ranks_loads_into_the_plain_model(
+        two_ranks: list[list[Any]], saved: Path) -> None:
+    import torch
+
+    from pipeline import load_into_model
+    from traced_models import reference
+
+    keys_0, keys_1 = (found[4] for found in two_ranks)
+    model, batch, target = build("llama")
+    assert set(keys_0) | set(keys_1) == set(model.state_dict())
+    trained = copy.deepcopy(model)
+    trained_optimizer = torch.optim.Adam(trained.parameters(), lr=0.01)
+    for _ in range(2):
+        reference(trained, batch, target, "llama")
+        trained_optimizer.step()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    assert load_into_model(model, optimizer, saved) == 2
+    state = trained.state_dict()
+    assert max((value - state[key]).abs().max().item()
+               for key, value in model.state_dict().items()) < TOLERANCE
+    for (_, mine), (_, expected) in zip(sorted(optimizer.state_dict()["state"].items()),
+                                        sorted(trained_optimizer.state_dict()["state"].items())):
+        assert (mine["exp_avg_sq"] - expected["exp_avg_sq"]).abs().max().item() < TOLERANCE
