@@ -157,7 +157,7 @@ class Pipe(ModelLike):
         self.model, self._traced = sequential_of(self.source_model, sample, units)
         self.timeout = timeout
         self._closed = False
-        self._one_call = OneCall(timeout)  # step, pipe(x), predict and close: one at a time
+        self._one_call = OneCall()  # step, pipe(x), predict and close: one at a time
         self._distributed = settings
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"

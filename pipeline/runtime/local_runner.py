@@ -19,6 +19,7 @@ from pipeline.compute.slicing import build_chunks
 from pipeline.runtime.context import CallerState
 from pipeline.runtime.data_parallel import NOT_SHARDED, Alone, DataParallel
 from pipeline.runtime.executor import StageResult, StepInputs, run_stage
+from pipeline.runtime.one_call import STAGE_THREAD_PREFIX
 from pipeline.runtime.runner import (
     Plans,
     PendingTimeline,
@@ -115,7 +116,7 @@ class LocalRunner:
         # Daemons: a stage thread never holds up the interpreter's exit, whatever a second
         # Ctrl-C interrupts; the events say when each stage's work is done.
         threads = [
-            threading.Thread(target=worker, args=(stage,), name=f"pipesched-stage-{stage}",
+            threading.Thread(target=worker, args=(stage,), name=f"{STAGE_THREAD_PREFIX}{stage}",
                              daemon=True)
             for stage in range(self.schedule.stages)
         ]

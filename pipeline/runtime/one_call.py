@@ -1,10 +1,11 @@
 """One call at a time: a Pipe's step, forward, prediction or close from several threads.
 
 A step's state (stashed activations, receive buffers, the step's messages) belongs to the
-one call running it; a second call from another thread waits for the first to end, in
-the order the threads asked, for at most the Pipe's timeout. A call made from inside a
-running one (a loss function or hook that calls the pipe) cannot wait for itself: on the
-same thread it is refused at once, from a stage's thread when the wait times out.
+one call running it; a second call from another thread waits for the first to end (which
+its own peer timeouts bound), in the order the threads asked. A call made from inside a
+running one (a loss function or hook that calls the pipe) cannot wait for itself: it is
+refused at once, whether it comes from the calling thread (across ranks the loss runs
+there) or from one of the stage threads that run a one-process step.
 """
 
 from __future__ import annotations
@@ -13,33 +14,30 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+STAGE_THREAD_PREFIX = "pipesched-stage-"  # the names local_runner gives its stage threads
+
 
 class OneCall:
     """A lock that names the call holding it, for the message of a re-entrant call."""
 
-    def __init__(self, timeout: float) -> None:
-        self._timeout = timeout
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._running = ""
 
     @contextlib.contextmanager
     def __call__(self, what: str) -> Iterator[None]:
-        if self._owner == threading.get_ident():
+        here = threading.current_thread()
+        if self._running and (self._owner == here.ident
+                              or here.name.startswith(STAGE_THREAD_PREFIX)):
             raise RuntimeError(
-                f"{what} was called while this thread runs {self._running} on the same Pipe "
-                f"(from a loss function or a hook?): a Pipe runs one call at a time; call it "
-                f"after {self._running} returns"
+                f"{what} was called from inside {self._running} on the same Pipe (from a loss "
+                f"function or a hook?): a Pipe runs one call at a time; call it after "
+                f"{self._running} returns"
             )
-        if not self._lock.acquire(timeout=self._timeout):
-            raise RuntimeError(
-                f"{what} waited {self._timeout:g}s for {self._running} to end (a Pipe runs one "
-                f"call at a time); if {what} was called from inside it (a loss function or "
-                f"hook), call it after {self._running} returns"
-            )
-        self._owner, self._running = threading.get_ident(), what
-        try:
-            yield
-        finally:
-            self._owner, self._running = None, ""
-            self._lock.release()
+        with self._lock:
+            self._owner, self._running = here.ident, what
+            try:
+                yield
+            finally:
+                self._owner, self._running = None, ""

@@ -1,5 +1,5 @@
 """A Pipe runs one call at a time: a forward from a second thread during a step waits for
-it (both exact), and a call from inside a running one is refused within the timeout."""
+it (both exact), and a call from inside a running one is refused at once."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_a_forward_from_another_thread_waits_for_the_step() -> None:
         assert (p.grad - q.grad).abs().max().item() < 1e-12
 
 
-def test_a_call_from_inside_a_running_one_is_refused_within_the_timeout() -> None:
+def test_a_call_from_inside_a_running_one_is_refused_at_once() -> None:
     model = _model()
     x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     holder: dict[str, Pipe] = {}
@@ -57,9 +57,9 @@ def test_a_call_from_inside_a_running_one_is_refused_within_the_timeout() -> Non
         return nn.functional.mse_loss(output, target)
 
     with Pipe(model, chunks=2, devices=["cpu", "cpu"], loss_fn=loss_calling_the_pipe,
-              timeout=2) as pipe:
+              timeout=20) as pipe:
         holder["pipe"] = pipe
         began = time.monotonic()
-        with pytest.raises(StageError, match=r"pipe\(x\) waited 2s for pipe.step\(\) to end"):
+        with pytest.raises(StageError, match=r"pipe\(x\) was called from inside pipe.step\(\)"):
             pipe.step(x, y)
-        assert time.monotonic() - began < 15
+        assert time.monotonic() - began < 10  # at once, not after a wait for itself
