@@ -4,7 +4,8 @@ A split backward leaves each ``W`` free to run any time after its ``I``; nobody
 waits for it. Two placements are shared here:
 
 - ``lagged_stage_order``: one chunk per stage, 1F1B with ``I`` for ``B`` and each
-  ``W(m)`` right after ``I(m + lag)`` (ZB-H1, ZB-H2 and the capped ``zb``);
+  ``W(m)`` right after ``I(m + lag)``; ``capped_orders`` picks each stage's warm-up and
+  lag for a memory cap, the one rule behind ZB-H1 (cap P), ZB-H2 (cap 2P-1) and ``zb``;
 - ``add_weight_gradients``: any order of Fs and Is (ZB-V), replayed with unit
   costs, a W going wherever the stage would otherwise wait or a forward would
   pass a memory limit.
@@ -46,6 +47,29 @@ def lagged_stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> 
             weights = m - lag + 1
     order.extend(Action(Op.W, m, stage) for m in range(weights, microbatches))
     return tuple(order)
+
+
+def capped_orders(stages: int, microbatches: int, cap: int) -> tuple[tuple[Action, ...], ...]:
+    """Every stage's ``lagged_stage_order`` when a stage may hold ``cap`` micro-batches (>= P).
+
+    With ``e = min(cap - P, P - 1, M - P)`` extra micro-batches (at least 0), stage s runs
+    ``a = min(P-1-s, e)`` more warm-up forwards than ZB-H1 and lags its Ws ``e - a`` more,
+    or ``min(s, e)`` more from ``cap = 2P-1`` on (ZB-H2); it holds ``min(P + e, M)``.
+
+    >>> for actions in capped_orders(stages=2, microbatches=3, cap=3): print(*actions)
+    F0 F1 F2 I0 W0 I1 W1 I2 W2
+    F0@c1 I0@c1 F1@c1 I1@c1 F2@c1 I2@c1 W0@c1 W1@c1 W2@c1
+    """
+    extra = max(0, min(cap - stages, stages - 1, microbatches - stages))
+    orders = []
+    for stage in range(stages):
+        # Stage s holds about warm-up + lag + 1 micro-batches: of its e extra, it spends
+        # what it can on warm-up forwards (more on early stages) and the rest on lag.
+        early = min(stages - 1 - stage, extra)
+        late = min(stage, extra) if cap >= 2 * stages - 1 else extra - early
+        orders.append(lagged_stage_order(stage, microbatches, warmup=stages - 1 - stage + early,
+                                         lag=stage + late))
+    return tuple(orders)
 
 
 def add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, ...], ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from schedules._checks import check_counts
 from schedules.action import Schedule
-from schedules.weights import lagged_stage_order
+from schedules.weights import capped_orders
 
 
 def zero_bubble_capped(stages: int, microbatches: int, max_inflight: int | None = None) -> Schedule:
@@ -25,10 +25,26 @@ def zero_bubble_capped(stages: int, microbatches: int, max_inflight: int | None 
     and larger values are ZB-H2 (it already fills the cool-down). Each stage holds
     ``min(P + e, M)`` micro-batches with ``e = min(k - P, P - 1, max(0, M - P))``.
 
+    One micro-batch more than ZB-H1 (where stage s runs P-1-s forwards before its first I
+    and W(m) after I(m + s)): stages 0 and 1 spend it on one more forward before their
+    first I, stage 2 on running each W one I later:
+
     >>> print(zero_bubble_capped(stages=3, microbatches=4, max_inflight=4))
     stage 0: F0 F1 F2 F3 I0 W0 I1 W1 I2 W2 I3 W3
     stage 1: F0@c1 F1@c1 F2@c1 I0@c1 F3@c1 I1@c1 W0@c1 I2@c1 W1@c1 I3@c1 W2@c1 W3@c1
     stage 2: F0@c2 I0@c2 F1@c2 I1@c2 F2@c2 I2@c2 F3@c2 I3@c2 W0@c2 W1@c2 W2@c2 W3@c2
+
+    The frontier: each micro-batch more held per stage buys a step shorter by half a W
+    (W costing half an F), from ZB-H1 (k = P = 3) to ZB-H2 (k = 2P-1 = 5):
+
+    >>> from schedules import simulate
+    >>> for k in (3, 4, 5):
+    ...     schedule = zero_bubble_capped(stages=3, microbatches=6, max_inflight=k)
+    ...     timeline = simulate(schedule, forward=1, backward=1, weight=0.5)
+    ...     print(k, max(timeline.peak_activations), timeline.makespan)
+    3 3.0 18.0
+    4 4.0 17.5
+    5 5.0 17.0
 
     Args:
         stages: number of pipeline stages P, >= 1.
@@ -50,13 +66,4 @@ def zero_bubble_capped(stages: int, microbatches: int, max_inflight: int | None 
             f"max_inflight must be >= stages: expected at least {stages} (ZB-H1's memory), "
             f"got max_inflight={cap}; for less memory use v-half or v-min"
         )
-    extra = max(0, min(cap - stages, stages - 1, microbatches - stages))
-    order = []
-    for stage in range(stages):
-        # Stage s holds about warm-up + lag + 1 micro-batches: of its e extra, it spends
-        # what it can on warm-up forwards (more on early stages) and the rest on lag.
-        early = min(stages - 1 - stage, extra)
-        late = min(stage, extra) if cap >= 2 * stages - 1 else extra - early
-        warmup, lag = stages - 1 - stage + early, stage + late
-        order.append(lagged_stage_order(stage, microbatches, warmup=warmup, lag=lag))
-    return Schedule(stages, microbatches, tuple(order), name="zb")
+    return Schedule(stages, microbatches, capped_orders(stages, microbatches, cap), name="zb")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from schedules._checks import check_counts
 from schedules.action import Schedule
-from schedules.weights import lagged_stage_order
+from schedules.weights import capped_orders
 
 
 def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
@@ -46,17 +46,15 @@ def zero_bubble_h1(stages: int, microbatches: int) -> Schedule:
         microbatches: number of micro-batches M, >= 1 (any M).
 
     Returns:
-        The schedule, one chunk per stage, named ``"zb-h1"``.
+        The schedule, one chunk per stage, named ``"zb-h1"``: the stage orders of
+        ``zero_bubble_capped`` at its least memory, ``max_inflight=P``.
 
     Raises:
         ValueError: a count below one.
     """
     check_counts(stages, microbatches)
-    order = tuple(
-        lagged_stage_order(stage, microbatches, warmup=stages - 1 - stage, lag=stage)
-        for stage in range(stages)
-    )
-    return Schedule(stages, microbatches, order, name="zb-h1")
+    return Schedule(stages, microbatches, capped_orders(stages, microbatches, cap=stages),
+                    name="zb-h1")
 
 
 def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
@@ -83,20 +81,12 @@ def zero_bubble_h2(stages: int, microbatches: int) -> Schedule:
         microbatches: number of micro-batches M, >= 1 (any M).
 
     Returns:
-        The schedule, one chunk per stage, named ``"zb-h2"``.
+        The schedule, one chunk per stage, named ``"zb-h2"``: the stage orders of
+        ``zero_bubble_capped`` from ``max_inflight=2P-1`` on.
 
     Raises:
         ValueError: a count below one.
     """
     check_counts(stages, microbatches)
-    extra = max(0, min(stages - 1, microbatches - stages))
-    order = tuple(
-        lagged_stage_order(
-            stage,
-            microbatches,
-            warmup=stages - 1 - stage + min(stages - 1 - stage, extra),
-            lag=stage + min(stage, extra),
-        )
-        for stage in range(stages)
-    )
-    return Schedule(stages, microbatches, order, name="zb-h2")
+    return Schedule(stages, microbatches, capped_orders(stages, microbatches, cap=2 * stages - 1),
+                    name="zb-h2")
