@@ -13,9 +13,18 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
     stage 0: F0 F1 F2 B0 B1 B2
     stage 1: F0@c1 F1@c1 F2@c1 B0@c1 B1@c1 B2@c1
 
+    Its peaks, stage by stage (1F1B holds ``min(P - s, M)`` on stage s, here 2 and 1):
+
+    >>> from schedules import simulate
+    >>> simulate(gpipe(stages=2, microbatches=3)).peak_activations
+    (3.0, 3.0)
+
     Args:
         stages: number of pipeline stages, >= 1.
         microbatches: number of micro-batches per step, >= 1.
+
+    Returns:
+        The schedule, one chunk per stage, named ``"gpipe"``.
 
     Raises:
         ValueError: a count below one.

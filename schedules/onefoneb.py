@@ -16,9 +16,19 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     stage 1: F0@c1 F1@c1 B0@c1 F2@c1 B1@c1 F3@c1 B2@c1 B3@c1
     stage 2: F0@c2 B0@c2 F1@c2 B1@c2 F2@c2 B2@c2 F3@c2 B3@c2
 
+    Its peaks, stage by stage (GPipe holds M = 4 on each):
+
+    >>> from schedules import simulate
+    >>> simulate(one_f_one_b(stages=3, microbatches=4)).peak_activations
+    (3.0, 2.0, 1.0)
+
     Args:
         stages: number of pipeline stages, >= 1.
         microbatches: number of micro-batches per step, >= 1.
+
+    Returns:
+        The schedule, one chunk per stage, named ``"1f1b"``, in three phases: warm-up
+        forwards, one forward and one backward in turn, cool-down backwards.
 
     Raises:
         ValueError: a count below one.
