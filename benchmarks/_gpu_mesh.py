@@ -80,15 +80,15 @@ def mesh_step(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor,
               sizes: Sizes, timeout: float) -> tuple[str, Any]:
     """("ok", (loss error, gradient error, gradients compared, bytes held)) or ("error", text)."""
     from examples.gpt import tensor_parallel_plan
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     data_parallel, schedule, mode = combination
     try:
         trained = copy.deepcopy(model)
         pipe = Pipe(trained, sizes.chunks, schedule=schedule, checkpoint=mode,
-                    loss_fn=lm_loss(), mesh=mesh, data_parallel=data_parallel,
-                    tensor_parallel=tensor_parallel_plan if mesh["tp"].size() > 1 else None,
-                    timeout=timeout)
+                    loss_fn=lm_loss(), timeout=timeout, distributed=Distributed.from_mesh(
+                        mesh, data_parallel=data_parallel,
+                        tensor_parallel=tensor_parallel_plan if mesh["tp"].size() > 1 else None))
         loss = float(pipe.step(x, y))
         grad, compared = gathered_error(trained, expected[1])
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)

@@ -14,7 +14,7 @@ that takes a step per call, ours (``OurPipe``) or torch's (``TorchPipelining``):
 
 Every one of them runs round-robin (a barrier before each step, one warm-up round) so
 that others' load hits them alike. Then the memory case: 1F1B at M=8 without and with
-full recomputation run once with ``memory_report=True`` for their peaks (2 x parameter
+full recomputation run once inside ``pipe.measure_memory()`` for their peaks (2 x parameter
 bytes plus the saved activations pipe.memory measured); a limit below the first
 (``choose_limit``: LIMIT_SHARE of it unless no plan is predicted to fit that: the MLP's
 parameters outweigh its activations); the auto Pipe planned under it with
@@ -45,14 +45,14 @@ from _plan_grid import (
 )
 from _plan_workloads import COUNTS, TIMEOUT, WORKLOADS, Workload
 from _vs_torch_ranks import TorchStage
-from pipeline import Pipe
+from pipeline import Pipe, Sample
 
 TORCH_SCHEDULES = ("gpipe", "1f1b")
 LIMIT_SHARE = 0.8  # the memory limit: this share of 1F1B's measured peak at M=8
 REFERENCE_M = 8  # the memory case's 1F1B
 JUST_BELOW = 0.99  # the limit's share of 1F1B's peak where no plan is predicted below it
 HEADROOM = 0.01  # a leanest plan less far below 1F1B's peak counts as none below it
-PEAK_STEPS = 2  # steps of each memory_report run (the worst counts)
+PEAK_STEPS = 2  # steps of each measured run (the worst counts)
 
 Span = tuple[float, float]  # one step on one rank: (start, end), time.perf_counter seconds
 
@@ -68,12 +68,10 @@ class OurPipe:
     ends on rank 0.
     """
 
-    def __init__(self, workload: Workload, options: dict[str, Any],
-                 memory_report: bool = False) -> None:
+    def __init__(self, workload: Workload, options: dict[str, Any]) -> None:
         self.x, self.y = workload.batch()
-        self.pipe = Pipe(workload.build(), loss_fn=workload.loss(), sample=self.x,
-                         sample_target=self.y, group=dist.group.WORLD,
-                         memory_report=memory_report, timeout=TIMEOUT, **options)
+        self.pipe = Pipe(workload.build(), loss_fn=workload.loss(), sample=Sample(self.x, self.y),
+                         group=dist.group.WORLD, timeout=TIMEOUT, **options)
 
     def step(self) -> None:
         self.pipe.zero_grad()
@@ -165,11 +163,12 @@ def round_robin(runners: Sequence[Any], steps: int) -> list[list[Span]]:
 
 def measured_peak(workload: Workload, options: dict[str, Any]) -> tuple[float, ...]:
     """Per stage (on every rank): 2 x its parameter bytes plus the most activation bytes it
-    held in PEAK_STEPS steps with ``memory_report=True``."""
-    runner = OurPipe(workload, options, memory_report=True)
+    held in PEAK_STEPS steps inside ``pipe.measure_memory()``."""
+    runner = OurPipe(workload, options)
     activations = 0
     for _ in range(PEAK_STEPS):
-        timed_step(runner.step)
+        with runner.pipe.measure_memory():
+            timed_step(runner.step)
         activations = max(activations, runner.pipe.memory[0].peak_bytes)
     mine = float(activations + 2 * runner.parameter_bytes())  # before close: then it holds none
     runner.close()

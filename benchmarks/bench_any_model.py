@@ -15,7 +15,7 @@ as 3 + 3 units) and schedule, in one process (two CPU stages, one thread each):
 
 Figures: the median step time over ``--steps`` rounds (each round runs both, alternating
 which goes first, so a change in the machine's load hits them alike) and their ratio; the
-peak activation bytes each stage held (``memory_report=True``, one step, a separate Pipe)
+peak activation bytes each stage held (``pipe.measure_memory()``, one step, a separate Pipe)
 and their ratio; and the trace time (``units.cut_model`` on a model not traced before:
 two ``torch.export`` runs, training and evaluation).
 """
@@ -87,10 +87,10 @@ def plain_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def pipes(model: nn.Module, batch: dict[str, torch.Tensor], options: dict[str, Any],
-          memory: bool) -> dict[str, Pipe]:
+          ) -> dict[str, Pipe]:
     balance = [1 + len(model.transformer.h) // 2, len(model.transformer.h) - len(
         model.transformer.h) // 2 + 1]
-    common = dict(balance=balance, devices=["cpu", "cpu"], memory_report=memory, **options)
+    common = dict(balance=balance, devices=["cpu", "cpu"], **options)
     return {"traced": Pipe(model, loss_fn=traced_loss, sample=batch, **common),
             "by hand": Pipe(by_hand(model), loss_fn=plain_loss, **common)}
 
@@ -117,7 +117,7 @@ def main() -> None:
     trace_seconds = time.perf_counter() - started
     options = dict(chunks=args.chunks, schedule=args.schedule, checkpoint="never")
     inputs = {"traced": batch, "by hand": ids}
-    runners = pipes(model, batch, options, memory=False)
+    runners = pipes(model, batch, options)
     times: dict[str, list[float]] = {name: [] for name in runners}
     for step in range(args.steps + 2):
         order = list(runners) if step % 2 == 0 else list(reversed(runners))
@@ -130,8 +130,9 @@ def main() -> None:
     for pipe in runners.values():
         pipe.close()
     peaks = {}
-    for name, pipe in pipes(model, batch, options, memory=True).items():
-        pipe.step(inputs[name], labels)
+    for name, pipe in pipes(model, batch, options).items():
+        with pipe.measure_memory():
+            pipe.step(inputs[name], labels)
         peaks[name] = [report.peak_bytes for report in pipe.memory]
         pipe.close()
         model.zero_grad()

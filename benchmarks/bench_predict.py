@@ -100,28 +100,29 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
     for model_name, schedule, microbatches in cells:
         model, x, target, loss_fn = build(model_name)
         pipe = Pipe(model, chunks=microbatches, schedule=schedule, loss_fn=loss_fn,
-                    group=dist.group.WORLD, memory_report=True)
+                    group=dist.group.WORLD)
         placement = pipe.schedule.placement
         mine_x = x if placement[0] == rank else None
         mine_y = target if placement[-1] == rank else None
         inputs, targets = split_batch(mine_x, mine_y, microbatches, in_process=False)
-        speed_before = reference_seconds()
-        before = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks)
-        warm = []
-        for _ in range(warmup):
-            pipe.zero_grad()
-            pipe.step(mine_x, mine_y)
-            warm.append(pipe.timeline)
-        after = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks,
-                             measured=tuple(warm) if rank == 0 else None)
-        timelines, memory, speed = [], [], []
-        for _ in range(steps):
-            speed.append(reference_seconds())
-            dist.barrier()
-            pipe.zero_grad()
-            pipe.step(mine_x, mine_y)
-            timelines.append(pipe.timeline)
-            memory.append(pipe.memory[0].peak_bytes)
+        with pipe.measure_memory():  # the whole run measured, as predicted: with the hooks
+            speed_before = reference_seconds()
+            before = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks)
+            warm = []
+            for _ in range(warmup):
+                pipe.zero_grad()
+                pipe.step(mine_x, mine_y)
+                warm.append(pipe.timeline)
+            after = predict_step(pipe._runner, inputs, targets, ranks=pipe.ranks,
+                                 measured=tuple(warm) if rank == 0 else None)
+            timelines, memory, speed = [], [], []
+            for _ in range(steps):
+                speed.append(reference_seconds())
+                dist.barrier()
+                pipe.zero_grad()
+                pipe.step(mine_x, mine_y)
+                timelines.append(pipe.timeline)
+                memory.append(pipe.memory[0].peak_bytes)
         pipe.close()
         results.append({
             "cell": (model_name, schedule, microbatches), "stage": rank,

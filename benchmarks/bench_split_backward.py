@@ -32,7 +32,7 @@ pages glibc gave back at the last round's end, and I pays those pages' faults wh
 B reuses the buffers it just freed.
 
 With ``--memory`` it instead prints, for 1F1B and three split schedules, what ``plan``
-predicts each stage's peak activation bytes to be against what ``Pipe(memory_report=True)``
+predicts each stage's peak activation bytes to be against what ``pipe.measure_memory()``
 measures (a 4-block GPT of width 128 with an input and an output Linear, 32 x 16 tokens,
 2 stages, M=8, the plan's cut).
 
@@ -246,9 +246,9 @@ def memory_table() -> None:
         chosen = plan_for_model(model, x, y, nn.MSELoss(), stages=2, microbatch_counts=[8],
                                 schedules=[schedule], checkpoints=["never"], prune=False)
         pipe = Pipe(model, 8, balance=list(chosen.balance), devices=["cpu", "cpu"],
-                    schedule=schedule, checkpoint="never", loss_fn=nn.MSELoss(),
-                    memory_report=True)
-        pipe.step(x, y)
+                    schedule=schedule, checkpoint="never", loss_fn=nn.MSELoss())
+        with pipe.measure_memory():
+            pipe.step(x, y)
         model.zero_grad(set_to_none=True)
         ends = [sum(chosen.balance[:c]) for c in range(len(chosen.balance) + 1)]
         parameters = [2 * sum(p.numel() * p.element_size() for c in owned

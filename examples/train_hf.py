@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline import Pipe
+from pipeline import Pipe, SummedLoss
 
 VOCAB = 32
 
@@ -104,7 +104,7 @@ def main() -> None:
     where: dict[str, Any] = ({"group": dist.group.WORLD} if distributed
                              else {"devices": ["cpu", "cpu"]})
     with Pipe(model, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint,
-              loss_fn=lm_loss, loss_count=token_count, sample=sample, **where) as pipe:
+              loss_fn=SummedLoss(lm_loss, token_count), sample=sample, **where) as pipe:
         if rank == 0:
             print(f"cut into {len(pipe.units)} units, balance {pipe.balance}:")
             for unit in pipe.units:

@@ -2,11 +2,13 @@
 
 from pipeline.checkpoints import CheckpointError, load_checkpoint, load_into_model, save_checkpoint
 from pipeline.compute.activations import MemoryReport
+from pipeline.compute.loss import SummedLoss
 from pipeline.errors import PeerError, PipelineAborted, StageError
 from pipeline.group.distributed import Distributed
 from pipeline.group.process_groups import make_groups
 from pipeline.pipe import Pipe
 from pipeline.saving import gather_state_dict, save_state_dict
+from pipeline.setup.arguments import Sample
 
 __all__ = [
     "CheckpointError",
@@ -15,7 +17,9 @@ __all__ = [
     "PeerError",
     "Pipe",
     "PipelineAborted",
+    "Sample",
     "StageError",
+    "SummedLoss",
     "gather_state_dict",
     "load_checkpoint",
     "load_into_model",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from dataclasses import replace
-from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -17,16 +18,17 @@ from split_backward import SplitMode
 
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkOptions
-from pipeline.compute.loss import loss_rule
+from pipeline.compute.loss import SummedLoss, loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
-from pipeline.group.distributed import Distributed, resolve_distributed
+from pipeline.group.distributed import Distributed, layout_of
 from pipeline.group.ranks import RankGroup, Ranks
 from pipeline.model_like import ModelLike
 from pipeline.runtime.build import processes
 from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
+from pipeline.setup.arguments import refuse_old_keywords, split_sample
 from pipeline.setup.balancing import resolve_balance
 from pipeline.setup.coordination import choose_plan, replicas_of
 from pipeline.setup.options import (build_schedule, check_deferred_norms, check_model,
@@ -41,12 +43,22 @@ if TYPE_CHECKING:
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
 
+@dataclass(frozen=True)
+class Picked:
+    """What a Pipe runs, as given or as planned: the schedule, its options, the balance."""
+
+    schedule: str | Schedule
+    balance: Sequence[int] | str | None
+    options: dict[str, Any]
+    stages: int
+
+
 class Pipe(ModelLike):
     """Run ``model`` as a pipeline: its layers cut into stages, micro-batches in a schedule.
 
-    In one process each stage is a thread on its own device. With
-    ``distributed=Distributed(group, ...)`` (or its shorthand ``group=``) rank r of the
-    process group runs stage r.
+    In one process each stage is a thread on its own device. With ``group=`` (or
+    ``distributed=Distributed(group, ...)``, or ``mesh=``) rank r of the process group runs
+    stage r.
 
     Args:
         model: an ``nn.Sequential`` (its layers are cut into stages), or any other
@@ -72,35 +84,25 @@ class Pipe(ModelLike):
             micro-batch losses add up to exactly the whole batch's loss (see
             ``pipeline.compute.loss``): torch's loss modules are normalised by the batch's count
             (rows, elements, or the weighted non-ignored targets of a cross-entropy);
-            another callable's results are weighted by their share of the rows, unless
-            ``loss_count`` is given.
-        loss_count: with a ``loss_fn`` that returns a micro-batch's *sum*,
-            ``loss_count(target)`` is what that micro-batch counts (e.g. its non-padding
-            tokens); the step's loss is then the sum of sums over the sum of counts.
+            another callable's results are weighted by their share of the rows; a
+            ``SummedLoss(fn, count)`` returns a micro-batch's *sum* and ``count(target)``
+            what it counts (e.g. its non-padding tokens): the step's loss is then the sum
+            of sums over the sum of counts.
         deferred_batch_norm: BatchNorm running statistics updated once per step, as one
             forward of the whole batch would (else once per micro-batch).
         memory_limit: bytes per stage a plan must fit in (with ``"auto"``).
-        memory_report: measure the activation memory each stage holds (``pipe.memory``);
-            off by default, since it hooks every tensor autograd saves.
         sample: an input batch to profile when ``balance="time"`` (else the first batch);
             for a model that is not an ``nn.Sequential``, the batch it is traced with
-            (required, on every rank).
-        sample_target: the target of ``sample``: with ``"auto"``, the loss's time and the
-            memory it keeps count in the plan (with a group: on rank 0, like ``sample``).
-        distributed: how the pipeline runs across processes (``pipeline.Distributed``: the
-            process group, a data-parallel group, the transport, ``init_fn``); None: one
-            process. ``group=``, ``data_group=``, ``transport=``, ``init_fn=``,
-            ``data_parallel=``, ``reshard_after_forward=`` and ``tensor_parallel=`` are
-            shorthands for its fields
-            (one or the other, not both).
+            (required, on every rank). ``Sample(inputs, target)`` adds its target: with
+            ``"auto"``, the loss's time and the memory it keeps count in the plan.
+        group: the process group whose rank r runs stage r: ``Distributed(group)``.
         mesh: a ``DeviceMesh`` with dimensions named ``"pp"`` (the pipeline) and optionally
-            ``"dp"`` (data-parallel replicas): ``Distributed.from_mesh``.
-        data_parallel: ``"replicate"`` (the default: replicas all-reduce their gradients)
-            or ``"fsdp"`` (FSDP2 shards each stage's layers over the replicas).
-        reshard_after_forward: with ``"fsdp"``, free gathered parameters after each
-            micro-batch's forward (less memory, more all-gathers).
-        tensor_parallel: ``fn(layer, tp_mesh)`` that splits a layer across the mesh's
-            ``"tp"`` dimension (e.g. ``examples/gpt.py``'s ``tensor_parallel_plan``).
+            ``"dp"`` (data-parallel replicas): ``Distributed.from_mesh(mesh)``.
+        distributed: the whole process layout (``pipeline.Distributed``: the process group,
+            a data-parallel group and how it shares a stage (``data_parallel``,
+            ``reshard_after_forward``), ``tensor_parallel``, the transport, ``init_fn``);
+            ``Distributed.from_mesh(mesh, ...)`` for a mesh with options. One of
+            ``group``, ``mesh`` and ``distributed``; none: one process.
         stages: number of stages, when neither devices, group nor a Schedule says it.
         schedule_options: extra arguments for the schedule generator
             (``chunks_per_stage`` for interleaved 1F1B).
@@ -108,8 +110,16 @@ class Pipe(ModelLike):
         units: for a traced model, the module names (as in ``model.named_modules()``)
             where units begin, in the order the forward runs them, instead of the default
             cut; what runs before the first is a unit of its own.
+        split_backward: how a zero-bubble schedule splits a backward into I and W:
+            ``"auto"`` (weight gradients of large Linear layers deferred by the layers,
+            the graph split elsewhere), ``"layers"`` or ``"graph"``.
+
+    Raises:
+        TypeError: a keyword an earlier Pipe took (``data_group=``, ``transport=``,
+            ``loss_count=``, ``memory_report=`` ...): the message names the new spelling.
     """
 
+    @refuse_old_keywords
     def __init__(
         self,
         model: nn.Module,
@@ -118,91 +128,91 @@ class Pipe(ModelLike):
         devices: Sequence[torch.device | str | int] | None = None,
         schedule: str | Schedule = "1f1b",
         checkpoint: CheckpointMode | Literal["auto"] | None = None,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
+        loss_fn: Callable[..., torch.Tensor] | SummedLoss | None = None,
         sample: Any = None,
         *,
         group: ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        distributed: Distributed | None = None,
         stages: int | None = None,
         schedule_options: dict[str, Any] | None = None,
         timeout: float = 60.0,
-        data_group: ProcessGroup | None = None,
-        init_fn: Callable[[nn.Module], None] | None = None,
-        loss_count: Callable[[Any], Any] | None = None,
         deferred_batch_norm: bool = False,
-        transport: str = "auto",
-        memory_report: bool = False,
         memory_limit: float | None = None,
-        sample_target: Any = None,
-        distributed: Distributed | None = None,
-        mesh: DeviceMesh | None = None,
-        data_parallel: str = "replicate",
-        reshard_after_forward: bool = False,
-        tensor_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None,
         units: Sequence[str] | None = None,
         split_backward: SplitMode = "auto",
     ) -> None:
-        settings = resolve_distributed(distributed, mesh, group=group, data_group=data_group,
-                                       init_fn=init_fn, transport=transport,
-                                       data_parallel=data_parallel,
-                                       reshard_after_forward=reshard_after_forward,
-                                       tensor_parallel=tensor_parallel)
-        group = None if settings is None else settings.group
+        settings = layout_of(distributed, mesh, group)
         self._processes = processes(settings, timeout)  # one process or a group: decided here
         self._ranks: Ranks = self._processes.ranks
         # First, before anything that could raise on some ranks only.
         self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
                                 checkpoint=checkpoint, stages=stages,
                                 schedule_options=schedule_options)
+        inputs, target = split_sample(sample)
         self.source_model = check_model(model)
-        self.model, self._traced = sequential_of(self.source_model, sample, units)
-        self.timeout = timeout
-        self._closed = False
+        self.model, self._traced = sequential_of(self.source_model, inputs, units)
+        self.timeout, self._closed, self._distributed = timeout, False, settings
         self._one_call = OneCall()  # step, pipe(x), predict and close: one at a time
-        self._distributed = settings
+        self._measuring = False  # inside measure_memory()
+        picked = self._pick(chunks, schedule, balance, checkpoint, devices, stages,
+                            schedule_options, (inputs, target, loss_fn), memory_limit)
+        self.loss_fn, self._loss_rule = loss_fn, loss_rule(loss_fn)
+        check_deferred_norms(self._traced, self.model, deferred_batch_norm)
+        self._options = ChunkOptions(
+            self.checkpoint, self._loss_rule.function if self._loss_rule is not None else None,
+            bool(deferred_batch_norm), split_backward)
+        self._schedule = build_schedule(picked.schedule, picked.stages, self.chunks,
+                                        picked.options)
+        self._balance_request = picked.balance
+        self._balance = self._resolve_balance(inputs)
+        self._forget_steps(runner=None)
+        if self._balance is not None:
+            self._build_runner()
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _pick(self, chunks: Any, schedule: Any, balance: Any, checkpoint: Any, devices: Any,
+              stages: int | None, schedule_options: dict[str, Any] | None,
+              samples: tuple[Any, Any, Any], memory_limit: float | None) -> Picked:
+        """Stage count, devices, and the chunks, schedule, balance and checkpoint mode: as
+        given, or planned where ``chunks`` or ``schedule`` is ``"auto"``."""
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
         per_stage = 1 if planning else chunks_per_stage(schedule, options)
+        group = None if self._distributed is None else self._distributed.group
         stage_count, self._stage_source = count_stages(schedule, devices, balance, stages,
                                                        per_stage, group)
         self._devices = resolve_devices(devices, stage_count, group)
         self._plan: Any = None
-        # In a mesh, the replicas and tensor-parallel ranks of a stage must run one cut:
-        # the first rank of the whole mesh decides a plan or a measured balance for all.
-        self._deciders: Ranks = self._ranks if settings is None or settings.holders is group \
-            else RankGroup(settings.holders, timeout)
         if planning:
             self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
-                                     (sample, sample_target, loss_fn), self._devices,
-                                     memory_limit, self._ranks, self._deciders,
-                                     replicas_of(settings, self._devices[0], timeout))
+                                     samples, self._devices, memory_limit, self._ranks,
+                                     self._deciders, replicas_of(self._distributed,
+                                                                 self._devices[0], self.timeout))
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]
         self.chunks = check_positive("chunks", chunks)
         self.checkpoint = check_mode("except_last" if checkpoint is None else checkpoint)
-        self.loss_fn = loss_fn
-        self._loss_rule = loss_rule(loss_fn, loss_count)
-        check_deferred_norms(self._traced, self.model, deferred_batch_norm)
-        self._options = ChunkOptions(
-            self.checkpoint,
-            self._loss_rule.function if self._loss_rule is not None else None,
-            bool(deferred_batch_norm),
-            bool(memory_report),
-            split_backward,
-        )
-        self._schedule = build_schedule(schedule, stage_count, self.chunks, options)
-        self._balance_request = balance
-        self._balance = self._resolve_balance(sample)
-        self._runner: Runner | None = None
+        return Picked(schedule, balance, options, stage_count)
+
+    def _forget_steps(self, runner: Runner | None) -> None:
+        self._runner: Runner | None = runner
         self._ties = tied_keys(self.model)
         self._timeline: Timeline | None = None
         self._pending: PendingTimeline | None = None  # the last step's, until read
         # The last few steps' measured timelines (rank 0 with a group), which refine predict().
         self._recent: collections.deque[Timeline] = collections.deque(maxlen=RECENT_STEPS)
-        if self._balance is not None:
-            self._build_runner()
 
-    # -- construction ---------------------------------------------------------------------
+    @property
+    def _deciders(self) -> Ranks:
+        """Who takes one decision for all: in a mesh the replicas and tensor-parallel ranks
+        of a stage must run one cut, so the first rank of the whole mesh decides."""
+        settings = self._distributed
+        if settings is None or settings.holders is settings.group:
+            return self._ranks
+        return RankGroup(settings.holders, self.timeout)
 
     def _build_runner(self) -> Runner:
         assert self._balance is not None
@@ -214,6 +224,7 @@ class Pipe(ModelLike):
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
         self._release = weakref.finalize(self, runner.release)
+        self._set_measuring(self._measuring)
         return runner
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
@@ -313,19 +324,41 @@ class Pipe(ModelLike):
         if timeline is not None:
             self._recent.append(timeline)
 
+    @contextlib.contextmanager
+    def measure_memory(self) -> Iterator[None]:
+        """Measure the activation memory each local stage holds in the steps run inside:
+        ``with pipe.measure_memory(): pipe.step(x, y)``, then ``pipe.memory``. Off
+        otherwise, since it hooks every tensor autograd saves. With a group, every rank
+        measures its own stage (enter it on every rank, or the ranks' steps differ only in
+        their cost)."""
+        self._set_measuring(True)
+        try:
+            yield
+        finally:
+            self._set_measuring(False)
+
+    def _set_measuring(self, on: bool) -> None:
+        self._measuring = on
+        if self._runner is not None:
+            for tracker in self._runner.trackers:
+                tracker.measuring = on
+
     @property
     def memory(self) -> tuple[MemoryReport, ...]:
-        """Per local stage, the activation memory it held at most during the last step.
+        """Per local stage, the activation memory it held at most during the last step run
+        inside ``measure_memory()``.
 
         Raises:
-            ValueError: the Pipe was built without ``memory_report=True``.
+            ValueError: no step has run inside ``measure_memory()``.
         """
-        if not self._options.track_memory:
+        memory = self._runner.memory if self._runner is not None else ()
+        if not memory:
             raise ValueError(
-                "pipe.memory needs the Pipe built with memory_report=True (activation memory "
-                "is measured only when asked for: it hooks every tensor autograd saves)"
+                "pipe.memory holds the activation memory of steps run inside "
+                "`with pipe.measure_memory():`, and no step has run inside one (it is measured "
+                "only when asked for: it hooks every tensor autograd saves)"
             )
-        return self._runner.memory if self._runner is not None else ()
+        return memory
 
     # -- running --------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ class ActivationTracker:
         self._bytes = 0
         self._peak_bytes = 0
         self._peak_held = 0.0
+        self.measuring = False  # Pipe.measure_memory turns it on: a hook per saved tensor
 
     def report(self) -> MemoryReport:
         with self._lock:

@@ -80,7 +80,6 @@ class ChunkOptions:
     checkpoint: CheckpointMode
     loss_fn: Callable[..., Any] | None
     deferred_batch_norm: bool = False
-    track_memory: bool = False  # count saved-tensor bytes (a hook per saved tensor: not free)
     split_backward: SplitMode = "auto"  # how I and W split: see ``split_backward.chunk_split``
 
     def __post_init__(self) -> None:
@@ -109,7 +108,7 @@ class ChunkRunner:
         self.layers = layers
         self.device = device
         self.options = options
-        self.tracker = tracker
+        self._tracker = tracker
         self.rng_lock = rng_lock
         # Taken around weight-gradient accumulation when a parameter is shared with another
         # chunk, whose stage may accumulate into the same ``.grad`` at the same moment.
@@ -128,6 +127,11 @@ class ChunkRunner:
         self._generators = OwnGenerators(layers)
         self._replays: dict[int, _Replay] = {}  # per recomputed micro-batch
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
+
+    @property
+    def tracker(self) -> ActivationTracker | None:
+        """The stage's tracker while a step is measured (``Pipe.measure_memory``), else None."""
+        return self._tracker if self._tracker is not None and self._tracker.measuring else None
 
     def begin_step(self, seed_base: int, microbatches: int) -> None:
         """Forget the previous step's state and set this step's seeds and counts."""

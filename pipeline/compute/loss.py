@@ -14,9 +14,9 @@ first forward:
   automatically: the module is called with ``reduction="sum"`` and the count
   is derived from the targets as torch's own mean would (weighted, ignoring
   ``ignore_index``; rows for ``"batchmean"``). ``reduction="sum"`` adds up.
-- any other callable with ``loss_count=``: ``loss_fn`` returns a micro-batch's
-  sum and ``loss_count(target)`` its count (say the non-padding tokens); the
-  step returns and differentiates ``sum of sums / sum of counts``.
+- ``SummedLoss(fn, count)``: ``fn`` returns a micro-batch's sum and
+  ``count(target)`` its count (say the non-padding tokens); the step returns and
+  differentiates ``sum of sums / sum of counts``.
 - any other callable alone: it returns a mean over its rows, and micro-batches
   are weighted by their share of the batch's rows.
 
@@ -74,6 +74,31 @@ class LossFunctionError(ValueError):
 
 
 @dataclass(frozen=True)
+class SummedLoss:
+    """A loss that returns a micro-batch's *sum*, and what each micro-batch counts.
+
+    ``Pipe(..., loss_fn=SummedLoss(token_loss_sum, count=lambda t: (t != -100).sum()))``:
+    the step's loss is the sum of the micro-batches' sums over the sum of their counts.
+
+    Attributes:
+        fn: ``fn(output, target)``, the micro-batch's summed loss.
+        count: ``count(target)``, what that micro-batch counts toward the denominator.
+    """
+
+    fn: LossFn
+    count: CountFn
+
+    def __post_init__(self) -> None:
+        for name in ("fn", "count"):
+            if not callable(getattr(self, name)):
+                raise TypeError(f"SummedLoss.{name} must be callable, got "
+                                f"{type(getattr(self, name)).__name__}")
+
+    def __call__(self, output: Any, target: Any) -> Any:
+        return self.fn(output, target)
+
+
+@dataclass(frozen=True)
 class LossRule:
     """The per-micro-batch loss to run, and how to weight each micro-batch's result.
 
@@ -111,21 +136,20 @@ class LossRule:
         return [factor] * len(counts)
 
 
-def loss_rule(loss_fn: LossFn | None, loss_count: CountFn | None = None) -> LossRule | None:
+def loss_rule(loss_fn: LossFn | None) -> LossRule | None:
     """The rule that makes ``loss_fn`` exact over micro-batches (see the module docstring).
 
     Raises:
-        TypeError: ``loss_fn`` or ``loss_count`` is not callable.
+        TypeError: ``loss_fn`` is not callable.
         ValueError: a torch loss module with ``reduction="none"``.
     """
     if loss_fn is None:
         return None
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if loss_count is not None:
-        if not callable(loss_count):
-            raise TypeError(f"loss_count must be callable, got {type(loss_count).__name__}")
-        return LossRule(loss_fn, lambda target: _as_float(loss_count(target), "loss_count"))
+    if isinstance(loss_fn, SummedLoss):
+        count = loss_fn.count
+        return LossRule(loss_fn.fn, lambda target: _as_float(count(target), "SummedLoss.count"))
     if isinstance(loss_fn, nn.modules.loss._Loss):
         return _module_rule(loss_fn)
     return LossRule(loss_fn, lambda target: float(batch_size(target)), shares=True)
@@ -149,8 +173,8 @@ def _module_rule(module: nn.modules.loss._Loss) -> LossRule:
         raise ValueError(
             f"{type(module).__name__}(reduction='mean') divides by a count Pipe cannot derive "
             f"from the targets alone, so micro-batch means would not add up to the batch's; pass "
-            f"{type(module).__name__}(reduction='sum') with loss_count=lambda target: <what the "
-            f"mean divides by for that micro-batch>"
+            f"loss_fn=SummedLoss({type(module).__name__}(reduction='sum'), count=lambda target: "
+            f"<what the mean divides by for that micro-batch>)"
         )
     function = ModuleLoss(module, count)
     return LossRule(function, None if reduction == "sum" else count)
@@ -222,8 +246,8 @@ class ModuleLoss:
             f"reduction='sum' on each micro-batch and divides by the whole batch's count, so "
             f"its forward must honour self.reduction: pass reduction=self.reduction to the "
             f"functional loss (e.g. F.cross_entropy(..., reduction=self.reduction)) or call "
-            f"super().forward; or pass a plain function that returns a micro-batch's sum, with "
-            f"loss_count=lambda target: <what its mean divides by>"
+            f"super().forward; or pass loss_fn=SummedLoss(fn, count=lambda target: <what its "
+            f"mean divides by>) with an fn that returns a micro-batch's sum"
         )
 
 
@@ -282,7 +306,7 @@ def _broadcast_ratio(module: nn.Module, output: Any, target: Any) -> float:
             f"row with rows other than its own; over the whole batch that pairs rows of "
             f"different micro-batches, which no split reproduces. Give output and target "
             f"the same number of dims (e.g. target.unsqueeze(-1) or output.squeeze(-1)), or "
-            f"pass a loss_fn that returns a micro-batch's sum with loss_count=..."
+            f"pass loss_fn=SummedLoss(fn, count) with an fn that returns a micro-batch's sum"
         )
     return shape.numel() / target.numel()
 
@@ -328,7 +352,7 @@ def _elements(target: Any) -> float:
         return float(target.numel())
     raise TypeError(
         f"a loss module with reduction='mean' needs tensor targets to count their elements, "
-        f"got {type(target).__name__}; pass loss_count=... to say what a micro-batch counts"
+        f"got {type(target).__name__}; pass loss_fn=SummedLoss(fn, count) to say what a micro-batch counts"
     )
 
 

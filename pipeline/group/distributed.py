@@ -2,16 +2,15 @@
 
 ``Pipe(..., distributed=Distributed(group, data_group=...))`` says how a pipeline runs
 across processes; ``Pipe(..., mesh=init_device_mesh(..., mesh_dim_names=("pp", "dp")))``
-takes the groups from a device mesh; the separate keywords ``group=``, ``data_group=``,
-``transport=``, ``init_fn=``, ``data_parallel=`` and ``reshard_after_forward=`` remain as
-shorthands.
+takes the groups from a device mesh (``Distributed.from_mesh(mesh, ...)`` for its options);
+``Pipe(..., group=group)`` is ``Distributed(group)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -24,8 +23,6 @@ from pipeline.transports import TRANSPORTS, TransportName
 MESH_DIMENSIONS = ("pp", "dp", "tp")
 DataParallelMode = Literal["replicate", "fsdp"]
 DATA_PARALLEL: tuple[DataParallelMode, ...] = ("replicate", "fsdp")
-SHORTHAND_DEFAULTS: dict[str, Any] = {"transport": "auto", "data_parallel": "replicate",
-                                      "reshard_after_forward": False}
 TensorParallel = Callable[[nn.Module, DeviceMesh], None]  # fn(layer, tp_mesh)
 
 
@@ -133,33 +130,21 @@ class Distributed:
                              f"got data_parallel={self.data_parallel!r}")
 
 
-def resolve_distributed(distributed: Distributed | None, mesh: DeviceMesh | None = None,
-                        **shorthands: Any) -> Distributed | None:
-    """``distributed``, or the one ``mesh`` or the shorthand keywords describe (None: one
+def layout_of(distributed: Distributed | None, mesh: DeviceMesh | None,
+              group: ProcessGroup | None) -> Distributed | None:
+    """The process layout one of ``distributed``, ``mesh`` or ``group`` says (None: one
     process).
 
     Raises:
-        ValueError: ``distributed`` with ``mesh`` or a shorthand, ``mesh`` with a group, or a
-            shorthand without ``group``.
+        ValueError: more than one of them.
     """
-    given = {name: value for name, value in shorthands.items()
-             if value is not None and value != SHORTHAND_DEFAULTS.get(name)}
-    if distributed is not None:
-        if given or mesh is not None:
-            also = [*(["mesh"] if mesh is not None else []), *given]
-            raise ValueError(f"pass either distributed=Distributed(...) or "
-                             f"{', '.join(f'{name}=' for name in also)}, not both")
-        return distributed
+    given = [name for name, value in (("distributed", distributed), ("mesh", mesh),
+                                      ("group", group)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass one of distributed=, mesh= or group= (each says the whole "
+                         f"process layout), got {', '.join(f'{name}=' for name in given)}")
     if mesh is not None:
-        groups = [name for name in ("group", "data_group") if name in given]
-        if groups:
-            raise ValueError(f"mesh= gives the process groups: pass it without "
-                             f"{', '.join(f'{name}=' for name in groups)}")
-        return Distributed.from_mesh(mesh, **given)
-    if "group" not in given:
-        if given:
-            verb = "needs" if len(given) == 1 else "need"
-            raise ValueError(f"{', '.join(f'{name}=' for name in given)} {verb} a process "
-                             f"group: pass group=... (or distributed=Distributed(group, ...))")
-        return None
-    return Distributed(**given)
+        return Distributed.from_mesh(mesh)
+    if group is not None:
+        return Distributed(group)
+    return distributed

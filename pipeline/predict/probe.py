@@ -152,6 +152,8 @@ def probe_runner(chunk: ChunkRunner, checkpoint: CheckpointMode, tracked: bool) 
     its own activation tracker."""
     parameters = list(chunk.layers.parameters())
     tracker = ActivationTracker(parameters, 1.0) if tracked else None
+    if tracker is not None:
+        tracker.measuring = True
     return ChunkRunner(chunk.spec, chunk.layers, chunk.device,
                        replace(chunk.options, checkpoint=checkpoint),
                        tracker, chunk.rng_lock, chunk.grad_lock)

@@ -88,7 +88,8 @@ class DistRunner:
                              for i in self.layers_of[c]]
         self._hold_layers(init_fn, tensor_parallel)
         share = 1.0 / len(schedule.chunks_of_stage[self.stage])
-        self.tracker = ActivationTracker(self.parameters(), share) if options.track_memory else None
+        self.tracker = ActivationTracker(self.parameters(), share)
+        self.trackers: tuple[ActivationTracker, ...] = (self.tracker,)
 
         def make_chunk(spec: ChunkSpec, layers: nn.Sequential, chunk_device: torch.device
                        ) -> ChunkRunner:
@@ -229,14 +230,14 @@ class DistRunner:
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
         schedule = self.schedule
-        if self.tracker is not None:
+        if self.tracker.measuring:
             self.tracker.reset_peaks()
         step_inputs = StepInputs.on(inputs, targets, weights, schedule, self.device, self.device)
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
         with step_of(self.chunks.values(), schedule):
             result = self._run(self.training_plan, step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
-        if self.tracker is not None:
+        if self.tracker.measuring:
             self.memory = (self.tracker.report(),)
         shared = time.perf_counter()
         loss = self._batch_loss(result.loss_known)

@@ -51,13 +51,13 @@ class LocalRunner:
         self.schedule = schedule
         self.devices = list(devices)
         self.timeout = timeout
-        self.trackers = [
-            None if not options.track_memory else ActivationTracker(
+        self.trackers = tuple(
+            ActivationTracker(
                 (p for c in schedule.chunks_of_stage[s] for p in _chunk_params(model, balance, c)),
                 1.0 / len(schedule.chunks_of_stage[s]),
             )
             for s in range(schedule.stages)
-        ]
+        )
         locks = {device: threading.Lock() for device in set(self.devices)}
         # Chunks using a parameter that another chunk uses too accumulate its gradient
         # under one lock: two stage threads may reach it at the same moment.
@@ -163,7 +163,7 @@ class LocalRunner:
         schedule = self.schedule
         caller = replace(CallerState.capture(), grad_enabled=True)
         for tracker in self.trackers:
-            if tracker is not None:
+            if tracker.measuring:
                 tracker.reset_peaks()
         last_device = self.devices[schedule.placement[-1]]
         step_inputs = StepInputs.on(inputs, targets, weights, schedule,
@@ -184,8 +184,8 @@ class LocalRunner:
             Event(e.stage, e.action, e.start - origin, e.end - origin)
             for r in results for e in r.events
         ]
-        if self.trackers[0] is not None:
-            self.memory = tuple(t.report() for t in self.trackers if t is not None)
+        if self.trackers[0].measuring:
+            self.memory = tuple(t.report() for t in self.trackers)
         timeline = measured_timeline(schedule, events, "measured")
         return loss, PendingTimeline.ready(timeline)
 

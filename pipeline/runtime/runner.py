@@ -12,7 +12,7 @@ from torch import nn
 from schedules import CommPlan, Event, Schedule, Timeline, comm_plan, forward_only
 from schedules.comm import Strategy
 
-from pipeline.compute.activations import MemoryReport
+from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.recompute import step_seed
 from pipeline.payloads.tree import differentiable, flatten
@@ -56,8 +56,9 @@ class Runner(Protocol):
         schedule: the Schedule it runs.
         chunks: this process's chunks by model-chunk index (all of them in one process).
         local_layers: the model's layers this process runs (all of them in one process).
-        memory: per local stage, the activation memory of the last step (with
-            ``memory_report``; else empty).
+        memory: per local stage, the activation memory of the last measured step
+            (``Pipe.measure_memory``; else empty).
+        trackers: per local stage, what counts its saved activations while measuring.
         sharding: how this stage's data-parallel replicas hold it (``NOT_SHARDED`` in one
             process).
         data_parallel: what the stage's replicas do together (``Alone`` in one process).
@@ -67,6 +68,7 @@ class Runner(Protocol):
     chunks: dict[int, ChunkRunner]
     local_layers: list[int]
     memory: tuple[MemoryReport, ...]
+    trackers: tuple[ActivationTracker, ...]
     data_parallel: DataParallel
 
     @property
