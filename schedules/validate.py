@@ -71,21 +71,9 @@ def _check_placement(schedule: Schedule) -> None:
                     stage,
                     index,
                 )
-            if not 0 <= action.microbatch < schedule.microbatches:
-                raise _fail(
-                    schedule,
-                    f"stage {stage} runs {action}, but micro-batches are "
-                    f"0..{schedule.microbatches - 1}",
-                    stage,
-                    index,
-                )
-            if not 0 <= action.chunk < schedule.chunks:
-                raise _fail(
-                    schedule,
-                    f"stage {stage} runs {action}, but chunks are 0..{schedule.chunks - 1}",
-                    stage,
-                    index,
-                )
+            if not (0 <= action.microbatch < schedule.microbatches
+                    and 0 <= action.chunk < schedule.chunks):
+                raise _fail(schedule, _out_of_range(schedule, stage, action), stage, index)
             owner = schedule.placement[action.chunk]
             if owner != stage:
                 raise _fail(
@@ -95,6 +83,15 @@ def _check_placement(schedule: Schedule) -> None:
                     stage,
                     index,
                 )
+
+
+def _out_of_range(schedule: Schedule, stage: int, action: Action) -> str:
+    """The error for an action whose micro-batch or chunk does not exist."""
+    if 0 <= action.microbatch < schedule.microbatches:
+        what, count = "chunks", schedule.chunks
+    else:
+        what, count = "micro-batches", schedule.microbatches
+    return f"stage {stage} runs {action}, but {what} are 0..{count - 1}"
 
 
 def _check_duplicates(schedule: Schedule) -> set[tuple[Op, int, int]]:
