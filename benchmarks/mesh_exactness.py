@@ -8,12 +8,13 @@ Run from the repository root (8 ranks on this host; a few minutes on 2 cores):
 For each (pp, dp, tp) in (2, 2, 2), (2, 4, 1), (4, 2, 1) and (2, 1, 4): data_parallel
 fsdp / replicate x schedule 1f1b / zb-h1 / zb-v x checkpoint never / always, 12
 combinations, in one spawn of 8 ranks per shape. Each rank runs
-``tests/pipeline/mesh_workers.gpt_exact`` (the worker of tests/pipeline/test_mesh.py,
-which runs a third of this product): the float64 test GPT (tied head on another stage,
-padded targets) against the unpipelined model on the union of the replicas' batches.
-A row per shape and combination gives the worst loss and gradient error over the ranks
-and the fewest gradients a rank compared; PASS when both errors are below 1e-10 and
-every rank compared some. Exits 1 on any FAIL (a shape whose ranks fail fails all 12).
+``tests/pipeline/helpers/mesh_workers.gpt_exact`` (the worker of
+tests/pipeline/runtime/test_mesh.py, which runs a third of this product): the float64
+test GPT (tied head on another stage, padded targets) against the unpipelined model on
+the union of the replicas' batches. A row per shape and combination gives the worst loss
+and gradient error over the ranks and the fewest gradients a rank compared; PASS when
+both errors are below 1e-10 and every rank compared some. Exits 1 on any FAIL (a shape
+whose ranks fail fails all 12).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "pipeline"))  # mesh_workers and the zoo it imports
+# mesh_workers and the zoo it imports
+sys.path.insert(0, str(ROOT / "tests" / "pipeline" / "helpers"))
 
 from mesh_workers import gpt_exact  # noqa: E402
 

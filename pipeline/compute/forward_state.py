@@ -18,7 +18,7 @@ a chunk's modules hold as attributes (or in a list, tuple or dict attribute) are
 when the chunk is built; their states are read before each forward and, for a
 recomputation, set back for its duration. A generator the attributes do not show (one
 captured in a closure, or a global) cannot be found: a layer drawing from it is exact
-without recomputation only (tests/pipeline/test_detection.py shows the limit). A
+without recomputation only (tests/pipeline/compute/test_detection.py shows the limit). A
 generator shared by layers of two chunks is drawn in the order the stages run.
 """
 

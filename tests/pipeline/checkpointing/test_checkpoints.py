@@ -236,7 +236,7 @@ def test_a_saver_killed_midway_leaves_a_directory_that_is_refused(tmp_path: Path
     save_checkpoint(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), target, 5)
     saver = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(target)],
                              stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
     try:
         assert saver.stdout is not None and saver.stdout.readline().strip() == "writing"
     finally:

@@ -138,7 +138,7 @@ def test_ctrl_c_ends_a_one_process_step_and_the_program_cleanly(schedule: str, t
 
     script = tmp_path / "interrupted.py"
     script.write_text(INTERRUPTED)
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     process = subprocess.Popen([sys.executable, str(script), schedule], cwd=root,
                                env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -19,8 +19,8 @@ from pipeline.predict.overheads import action_overhead
 from pipeline.predict.step import predict_step
 from schedules import Link, get_schedule
 
-from tests.pipeline.dist_harness import in_turn, run_ranks
-from tests.pipeline.predict_workers import (
+from dist_harness import in_turn, run_ranks
+from predict_workers import (
     batch,
     bn_mlp,
     calibrated_links,

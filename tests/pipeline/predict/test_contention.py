@@ -6,8 +6,8 @@ import pytest
 
 from pipeline.predict.contention import contended, others_computing
 from schedules import Action, Costs, Event, Op, Timeline, get_schedule, simulate
-from tests.pipeline.dist_harness import run_ranks
-from tests.pipeline.predict_workers import predict_contention
+from dist_harness import run_ranks
+from predict_workers import predict_contention
 
 
 def _timeline(events: list[tuple[int, float, float]]) -> Timeline:

@@ -33,7 +33,7 @@ from pipeline.predict.probe import ChunkCosts
 from pipeline.transports.groups import pipeline_groups
 from schedules import Action, Op, get_schedule
 
-PIPELINE = Path(__file__).resolve().parents[2] / "pipeline"
+PIPELINE = Path(__file__).resolve().parents[3] / "pipeline"
 PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill"}
 OBJECT_COLLECTIVES = {"all_gather_object", "gather_object", "broadcast_object_list",
                       "scatter_object_list"}
