@@ -84,19 +84,31 @@ PERIOD = 6  # chunk actions per micro-batch per stage: F, I and W on two chunks
 def v_half(stages: int, microbatches: int) -> Schedule:
     """V-Half: two chunks per stage in a V, about half of 1F1B's activations.
 
-    Each stage holds at most ``ceil((P+2)/2)`` full-stage micro-batches (two
-    half-size chunk activations counting one).
+    The V: stage 0 runs chunks 0 and 3, stage 1 chunks 1 and 2, every backward split
+    into I and W:
 
     >>> print(v_half(stages=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
     stage 0: F0 F1 F0@c3 I0@c3 F1@c3 I1@c3 I0 W0@c3 I1 W1@c3 W0 W1
     stage 1: F0@c1 F0@c2 F1@c1 F1@c2 I0@c2 I0@c1 I1@c2 I1@c1 W0@c2 W0@c1 W1@c2 W1@c1
+
+    Against 1F1B at P = 8 (F = I = W): 5 micro-batches held on every stage where 1F1B's
+    stage 0 holds 8, and a shorter step:
+
+    >>> from schedules import one_f_one_b, simulate
+    >>> for schedule in (one_f_one_b(8, 16), v_half(8, 16)):
+    ...     timeline = simulate(schedule, forward=1, backward=1, weight=1)
+    ...     print(schedule.name, max(timeline.peak_activations), timeline.makespan)
+    1f1b 8.0 69.0
+    v-half 5.0 56.5
 
     Args:
         stages: number of pipeline stages P, >= 1.
         microbatches: number of micro-batches M, >= 1 (any M).
 
     Returns:
-        The schedule, with ``placement[c] == min(c, 2P-1-c)``, named ``"v-half"``.
+        The schedule, with ``placement[c] == min(c, 2P-1-c)``, named ``"v-half"``; each
+        stage holds at most ``ceil((P+2)/2)`` full-stage micro-batches (two half-size
+        chunk activations counting one).
 
     Raises:
         ValueError: a count below one.
@@ -107,18 +119,25 @@ def v_half(stages: int, microbatches: int) -> Schedule:
 def v_min(stages: int, microbatches: int) -> Schedule:
     """V-Min: two chunks per stage in a V, about a third of 1F1B's activations.
 
-    Each stage holds at most ``ceil((P+4)/3)`` full-stage micro-batches.
+    Where its cap equals V-Half's (P <= 4 and P = 6) it is V-Half's schedule. From P = 5
+    on it holds a micro-batch or more less on every stage and pays with a longer step
+    (F = I = W):
 
-    >>> print(v_min(stages=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
-    stage 0: F0 F1 F0@c3 I0@c3 F1@c3 I1@c3 I0 W0@c3 I1 W1@c3 W0 W1
-    stage 1: F0@c1 F0@c2 F1@c1 F1@c2 I0@c2 I0@c1 I1@c2 I1@c1 W0@c2 W0@c1 W1@c2 W1@c1
+    >>> from schedules import simulate
+    >>> half, least = (simulate(generator(5, 10), forward=1, backward=1, weight=1)
+    ...                for generator in (v_half, v_min))
+    >>> half.peak_activations, least.peak_activations
+    ((4.0, 4.0, 4.0, 4.0, 4.0), (3.0, 3.0, 3.0, 3.0, 3.0))
+    >>> half.makespan, least.makespan
+    (33.0, 35.5)
 
     Args:
         stages: number of pipeline stages P, >= 1.
         microbatches: number of micro-batches M, >= 1 (any M).
 
     Returns:
-        The schedule, with ``placement[c] == min(c, 2P-1-c)``, named ``"v-min"``.
+        The schedule, with ``placement[c] == min(c, 2P-1-c)``, named ``"v-min"``; each
+        stage holds at most ``ceil((P+4)/3)`` full-stage micro-batches.
 
     Raises:
         ValueError: a count below one.
