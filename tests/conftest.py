@@ -43,7 +43,7 @@ MEASURED = frozenset({
     "test_traced_exact.py::test_the_default_cut_is_prologue_blocks_epilogue",  # 4-10 s
     "test_traced_exact.py::test_dropout_gives_one_result_across_schedules_cuts_and_modes",
     "test_traced_errors.py::test_sizes_the_model_guards_are_named",  # 5-7 s
-    "test_traced_planning.py::test_time_balance_memory_report_and_predict",  # 4 s
+    "test_traced_planning.py::test_time_balance_measured_memory_and_predict",  # 4 s
     "test_traced_checkpoints.py::test_a_pipeline_checkpoint_loads_into_the_plain_model_and_back",
     "test_traced_errors.py::test_a_none_argument_is_a_constant_of_the_graph",  # 7 s
     "test_traced_exact.py::test_sequence_length_changes_between_steps",  # 6 s

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from partitioners import profile
-from pipeline import Pipe
+from pipeline import Pipe, Sample
 from traced_models import build, loss_options, reference
 
 TOLERANCE = 1e-10
@@ -31,15 +31,16 @@ def test_profile_measures_every_unit_from_the_batch_as_the_model_takes_it() -> N
             p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_time_balance_memory_report_and_predict() -> None:
+def test_time_balance_measured_memory_and_predict() -> None:
     model, batch, target = build("gpt2")
     expected_loss, expected = reference(copy.deepcopy(model), batch, target, "gpt2")
     with Pipe(model, chunks=2, balance="time", sample=batch, devices=["cpu", "cpu"],
-              memory_report=True, **loss_options("gpt2")) as pipe:
+              **loss_options("gpt2")) as pipe:
         assert sum(pipe.balance) == len(pipe.units) and all(b >= 1 for b in pipe.balance)
         predicted = pipe.predict(batch, target)
         model.zero_grad()
-        loss = pipe.step(batch, target)
+        with pipe.measure_memory():
+            loss = pipe.step(batch, target)
         assert predicted.makespan > 0 and len(predicted.events) == len(pipe.timeline.events)
         assert [report.peak_activations for report in pipe.memory] == [2.0, 1.0]  # 1F1B
     assert abs(loss.item() - expected_loss) < TOLERANCE
@@ -49,7 +50,7 @@ def test_time_balance_memory_report_and_predict() -> None:
 def test_auto_plans_a_traced_model_and_stays_exact() -> None:
     model, batch, target = build("looped")
     expected_loss, expected = reference(copy.deepcopy(model), batch, target, "looped")
-    with Pipe(model, chunks="auto", schedule="auto", sample=batch, sample_target=target,
+    with Pipe(model, chunks="auto", schedule="auto", sample=Sample(batch, target),
               devices=["cpu", "cpu"], memory_limit=2**30, **loss_options("looped")) as pipe:
         assert pipe.plan is not None and sum(pipe.balance) == len(pipe.units)
         model.zero_grad()

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline import SummedLoss
+
 VOCAB = 64
 
 
@@ -124,4 +126,4 @@ def build(kind: str) -> tuple[nn.Module, dict[str, Any], torch.Tensor]:
 def loss_options(kind: str) -> dict[str, Any]:
     if kind == "looped":
         return {"loss_fn": mse}
-    return {"loss_fn": lm_loss, "loss_count": token_count}
+    return {"loss_fn": SummedLoss(lm_loss, token_count)}

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dist_harness import run_ranks
-from pipeline import Pipe
+from pipeline import Pipe, SummedLoss
 from pipeline.compute.loss import loss_rule
 
 TOLERANCE = 1e-10
@@ -102,7 +102,7 @@ def test_kl_div_batchmean_and_probability_targets() -> None:
     assert abs(pipe.step(x, target).item() - expected.item()) < TOLERANCE
 
 
-def test_a_sum_with_loss_count_is_exact_for_a_token_weighted_callable() -> None:
+def test_a_summed_loss_is_exact_for_a_token_weighted_callable() -> None:
     x, y = _padded_targets()
 
     def summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -112,8 +112,8 @@ def test_a_sum_with_loss_count_is_exact_for_a_token_weighted_callable() -> None:
     reference = copy.deepcopy(model)
     expected = F.cross_entropy(reference(x), y, ignore_index=-100)
     expected.backward()
-    pipe = Pipe(model, chunks=4, balance=[2, 1], devices=["cpu", "cpu"], loss_fn=summed,
-                loss_count=lambda t: (t != -100).sum())
+    pipe = Pipe(model, chunks=4, balance=[2, 1], devices=["cpu", "cpu"],
+                loss_fn=SummedLoss(summed, count=lambda t: (t != -100).sum()))
     assert abs(pipe.step(x, y).item() - expected.item()) < TOLERANCE
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=TOLERANCE, rtol=0)
@@ -127,19 +127,18 @@ def test_a_loss_fn_that_returns_no_tensor_is_a_type_error(result: object) -> Non
         pipe.step(torch.randn(4, 6, dtype=torch.float64), torch.zeros(4))
 
 
-def test_reduction_none_and_bad_loss_count_are_refused() -> None:
+def test_reduction_none_and_a_bad_summed_loss_are_refused() -> None:
     with pytest.raises(ValueError, match=r"reduction='none'.*needs a scalar"):
         Pipe(_classifier(), chunks=2, balance=[2, 1], devices=["cpu", "cpu"],
              loss_fn=nn.MSELoss(reduction="none"))
-    with pytest.raises(TypeError, match=r"loss_count must be callable, got int"):
-        Pipe(_classifier(), chunks=2, balance=[2, 1], devices=["cpu", "cpu"],
-             loss_fn=nn.MSELoss(), loss_count=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"SummedLoss.count must be callable, got int"):
+        SummedLoss(nn.MSELoss(reduction="sum"), count=3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("loss_fn", [nn.CTCLoss(), nn.MultiLabelSoftMarginLoss(),
                                      nn.MultiLabelMarginLoss()])
 def test_a_mean_that_the_targets_cannot_count_is_refused_with_the_fix(loss_fn: nn.Module) -> None:
-    with pytest.raises(ValueError, match=r"reduction='sum'\) with loss_count="):
+    with pytest.raises(ValueError, match=r"loss_fn=SummedLoss\(\w+\(reduction='sum'\), count="):
         Pipe(_classifier(), chunks=2, balance=[2, 1], devices=["cpu", "cpu"], loss_fn=loss_fn)
 
 
@@ -169,7 +168,7 @@ def test_a_broadcast_that_pairs_rows_of_different_microbatches_is_refused() -> N
     x, y = _broadcast_batch(12)
     pipe = Pipe(model, chunks=4, balance=[2, 1], devices=["cpu", "cpu"], loss_fn=nn.MSELoss())
     message = (r"MSELoss broadcasts an output of shape \(3, 1\) against a target of shape \(3,\) "
-               r"to \(3, 3\).*target.unsqueeze\(-1\).*loss_count=")
+               r"to \(3, 3\).*target.unsqueeze\(-1\).*loss_fn=SummedLoss\(fn, count\)")
     with pytest.raises(ValueError, match=message):
         pipe.step(x, y.squeeze(-1))
 
@@ -213,7 +212,7 @@ def test_a_subclass_that_ignores_reduction_is_refused_with_the_fix(reduction: st
                 loss_fn=_MeanTokenLoss(ignore_index=-100, reduction=reduction))
     message = (r"_MeanTokenLoss ignores self.reduction: on a micro-batch that counts 11 .* "
                r"expected the sum to be 11 x .*pass reduction=self.reduction.*"
-               r"super\(\).forward.*loss_count=")
+               r"super\(\).forward.*loss_fn=SummedLoss\(fn, count=")
     with pytest.raises(ValueError, match=message):
         pipe.step(x, y)
     assert all(p.grad is None for p in model.parameters())

@@ -24,8 +24,9 @@ def step(schedule: str, checkpoint: str, stages: int, chunks: int, name: str = "
     model = build(name)
     x, target = batch(name, rows)
     pipe = Pipe(model, chunks, stages=stages, schedule=schedule, checkpoint=checkpoint,
-                loss_fn=nn.MSELoss(), memory_report=True)
-    pipe.step(x, target)
+                loss_fn=nn.MSELoss())
+    with pipe.measure_memory():
+        pipe.step(x, target)
     return pipe
 
 
@@ -118,9 +119,9 @@ def test_never_with_one_microbatch_saves_exactly_the_activations(stages: int) ->
     copy of the caller's x, which counts where the first layer saves it, as x would."""
     model = build("mlp")
     x, target = batch("mlp", 16)
-    pipe = Pipe(model, 1, stages=stages, checkpoint="never", loss_fn=nn.MSELoss(),
-                memory_report=True)
-    pipe.step(x, target)
+    pipe = Pipe(model, 1, stages=stages, checkpoint="never", loss_fn=nn.MSELoss())
+    with pipe.measure_memory():
+        pipe.step(x, target)
     saved = stage_figures(pipe, x, target, 1)
     with_input = stage_figures(pipe, x, target, 1, with_input=True)
     expected = [saved[0][0][0]] + [full[0] for full, _ in with_input[1:]]
@@ -136,11 +137,12 @@ def test_always_holds_one_full_microbatch_plus_the_inputs_of_the_others(
     model = build(name)
     x, target = batch(name, 16)
     always = Pipe(model, chunks, stages=stages, schedule=schedule, checkpoint="always",
-                  loss_fn=nn.MSELoss(), memory_report=True)
-    always.step(x, target)
+                  loss_fn=nn.MSELoss())
     never = Pipe(build(name), chunks, stages=stages, schedule=schedule, checkpoint="never",
-                 loss_fn=nn.MSELoss(), memory_report=True)
-    never.step(x, target)
+                 loss_fn=nn.MSELoss())
+    with always.measure_memory(), never.measure_memory():
+        always.step(x, target)
+        never.step(x, target)
     held = simulate(always.schedule).peak_activations
     # A micro-batch being recomputed holds all its activations and its input (which the
     # first layer may not save); each other micro-batch holds its input alone.
@@ -189,11 +191,11 @@ def test_no_activation_outlives_the_step(schedule: str, checkpoint: str) -> None
     model = nn.Sequential(*layers).double()
     x = torch.randn(8, 6, dtype=torch.float64)
     target = torch.randn(8, 6, dtype=torch.float64)
-    pipe = Pipe(model, 4, stages=2, schedule=schedule, checkpoint=checkpoint, loss_fn=nn.MSELoss(),
-                memory_report=True)
-    pipe.step(x, target)
-    first = pipe.memory
-    pipe.step(x, target)
+    pipe = Pipe(model, 4, stages=2, schedule=schedule, checkpoint=checkpoint, loss_fn=nn.MSELoss())
+    with pipe.measure_memory():
+        pipe.step(x, target)
+        first = pipe.memory
+        pipe.step(x, target)
     assert pipe.memory == first, "the measured peaks grow from step to step"
     gc.collect()
     alive = sum(ref() is not None for r in recorders for ref in r.outputs)
@@ -203,5 +205,19 @@ def test_no_activation_outlives_the_step(schedule: str, checkpoint: str) -> None
 def test_memory_is_measured_only_when_asked_for() -> None:
     pipe = Pipe(build("mlp"), 2, stages=2, loss_fn=nn.MSELoss())
     pipe.step(*batch("mlp", 4))
-    with pytest.raises(ValueError, match=r"memory_report=True"):
+    with pytest.raises(ValueError, match=r"no step has run inside one"):
         pipe.memory
+    with pipe.measure_memory():
+        pipe.step(*batch("mlp", 4))
+    measured = pipe.memory
+    assert [report.peak_activations for report in measured] == [2.0, 1.0]  # 1F1B, P=2, M=2
+    pipe.step(*batch("mlp", 4))  # not measured: the last measured step's figures stay
+    assert pipe.memory == measured
+    assert all(chunk.tracker is None for chunk in pipe._runner.chunks.values())
+
+
+def test_memory_is_measured_in_a_pipe_built_inside_measure_memory_and_a_time_balance() -> None:
+    pipe = Pipe(build("mlp"), 2, balance="time", stages=2, loss_fn=nn.MSELoss())
+    with pipe.measure_memory():  # the runner is built by this first step (balance="time")
+        pipe.step(*batch("mlp", 4))
+    assert [report.peak_activations for report in pipe.memory] == [2.0, 1.0]

@@ -12,7 +12,7 @@ from dist_harness import run_ranks
 from dist_workers import auto_plan
 from models import batch, build
 
-from pipeline import Pipe
+from pipeline import Pipe, Sample
 
 TOLERANCE = 1e-10
 
@@ -75,7 +75,7 @@ def test_a_sample_target_has_the_loss_profiled_for_the_plan() -> None:
          sample=x, loss_fn=loss_fn)
     assert seen == []  # no target: the plan has no loss in it
     Pipe(build("mlp"), chunks=4, schedule="auto", checkpoint="never", devices=["cpu", "cpu"],
-         sample=x, sample_target=y, loss_fn=loss_fn)
+         sample=Sample(x, y), loss_fn=loss_fn)
     assert seen and all(shape == (4,) + tuple(y.shape[1:]) for shape in seen)
 
 
@@ -96,8 +96,8 @@ def test_auto_on_a_gpt_with_a_tied_head_and_padding_is_exact_under_a_memory_limi
 
     x, y = zoo.gpt_batch()
     expected_loss, expected = zoo.reference_grads(zoo.tiny_gpt(), x, y, zoo.gpt_loss())
-    options = {"chunks": "auto", "schedule": "auto", "devices": ["cpu", "cpu"], "sample": x,
-               "sample_target": y, "loss_fn": zoo.gpt_loss()}
+    options = {"chunks": "auto", "schedule": "auto", "devices": ["cpu", "cpu"],
+               "sample": Sample(x, y), "loss_fn": zoo.gpt_loss()}
     free = Pipe(zoo.tiny_gpt(), **options)
     leanest = min(max(c.peak_memory) for c in free.plan.candidates)
     unlimited = max(free.plan.peak_memory)
