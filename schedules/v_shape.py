@@ -176,9 +176,14 @@ def v_idle_bound(variant: Variant, stages: int) -> int:
     return max(0, 3 * p - 1 - cap) + max(0, 3 * p - 2 * cap)
 
 
-@lru_cache(maxsize=256)
 def _v_schedule(variant: Variant, stages: int, microbatches: int) -> Schedule:
+    # Checked before the cache, which would take 2.0 or True for the 2 or 1 it holds.
     check_counts(stages, microbatches)
+    return _searched(variant, stages, microbatches)
+
+
+@lru_cache(maxsize=256)
+def _searched(variant: Variant, stages: int, microbatches: int) -> Schedule:
     placement = tuple(min(chunk, 2 * stages - 1 - chunk) for chunk in range(2 * stages))
     # Where the bound holds (M >= P), a replay that meets it ends the search: none is shorter.
     shortest = 6 * microbatches + v_idle_bound(variant, stages) if microbatches >= stages else 0
