@@ -1,16 +1,11 @@
-"""1F1B: literal timetables, the closed-form bubble and makespan, and min(P - s, M) memory."""
-
-import math
-from fractions import Fraction
+"""1F1B: literal timetables and its phases (bubble, makespan, min(P - s, M) memory:
+test_generators)."""
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from schedules import Op, gpipe, one_f_one_b, simulate, validate
+from schedules import Op, gpipe, one_f_one_b
 
 STAGES = range(1, 9)
-MICROBATCHES = range(1, 33)
 
 
 def test_timetable_for_three_stages_and_four_microbatches():
@@ -42,26 +37,6 @@ def test_schedule_fields():
 
 
 @pytest.mark.parametrize("stages", STAGES)
-def test_bubble_and_makespan_match_the_formula(stages):
-    for microbatches in MICROBATCHES:
-        schedule = one_f_one_b(stages, microbatches)
-        validate(schedule)
-        timeline = simulate(schedule, forward=1, backward=2, comm=0)
-        expected = Fraction(stages - 1, microbatches + stages - 1)
-        case = f"P={stages} M={microbatches}"
-        assert math.isclose(timeline.bubble_fraction, expected, rel_tol=1e-12, abs_tol=0), case
-        assert timeline.makespan == (microbatches + stages - 1) * 3, case
-
-
-@pytest.mark.parametrize("stages", STAGES)
-def test_stage_holds_at_most_stages_minus_its_index(stages):
-    for microbatches in MICROBATCHES:
-        timeline = simulate(one_f_one_b(stages, microbatches))
-        expected = tuple(min(stages - s, microbatches) for s in range(stages))
-        assert timeline.peak_activations == expected, f"P={stages} M={microbatches}"
-
-
-@pytest.mark.parametrize("stages", STAGES)
 def test_same_actions_as_gpipe_in_a_different_order(stages):
     for microbatches in (1, stages, 3 * stages):
         ours, theirs = one_f_one_b(stages, microbatches), gpipe(stages, microbatches)
@@ -79,32 +54,3 @@ def test_phases_warmup_steady_cooldown():
         # Micro-batches run in order within each op.
         assert [a.microbatch for a in actions if a.op is Op.F] == list(range(microbatches))
         assert [a.microbatch for a in actions if a.op is Op.B] == list(range(microbatches))
-
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    stages=st.integers(1, 24),
-    microbatches=st.integers(1, 96),
-    scale=st.sampled_from([0.5, 1, 3]),
-)
-def test_formulas_beyond_the_grid(stages, microbatches, scale):
-    # Any forward cost f with backward 2f: bubble (P-1)/(M+P-1), makespan 3f(M+P-1).
-    timeline = simulate(one_f_one_b(stages, microbatches), forward=scale, backward=2 * scale)
-    expected = Fraction(stages - 1, microbatches + stages - 1)
-    assert math.isclose(timeline.bubble_fraction, expected, rel_tol=1e-12, abs_tol=0)
-    assert math.isclose(timeline.makespan, 3 * scale * (microbatches + stages - 1), rel_tol=1e-12)
-    assert timeline.peak_activations == tuple(min(stages - s, microbatches) for s in range(stages))
-
-
-@pytest.mark.parametrize(
-    ("stages", "microbatches", "message"),
-    [
-        (0, 4, "stages must be >= 1, got stages=0"),
-        (3, -1, "microbatches must be >= 1, got microbatches=-1"),
-        ("3", 4, "stages must be an int >= 1, got '3'"),
-    ],
-)
-def test_bad_counts_raise_value_error(stages, microbatches, message):
-    with pytest.raises(ValueError, match=message):
-        one_f_one_b(stages, microbatches)

@@ -84,19 +84,6 @@ def test_placement():
 
 
 @pytest.mark.parametrize("name", GENERATORS)
-def test_every_backward_is_split_into_i_and_w(name):
-    for stages, microbatches in [(1, 3), (3, 2), (4, 8), (5, 7)]:
-        schedule = GENERATORS[name](stages, microbatches)
-        for stage, actions in enumerate(schedule.order):
-            chunks = schedule.chunks_of_stage[stage]
-            expected = {
-                Action(op, m, c) for op in (Op.F, Op.I, Op.W) for m in range(microbatches)
-                for c in chunks
-            }
-            assert len(actions) == len(expected) and set(actions) == expected
-
-
-@pytest.mark.parametrize("name", GENERATORS)
 def test_valid_over_the_grid(name):
     for stages, microbatches in GRID:
         validate(GENERATORS[name](stages, microbatches))
