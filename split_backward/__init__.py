@@ -6,7 +6,8 @@ per chunk and micro-batch (``chunk_split.ChunkSplit``): layers that defer their 
 weight gradients (``switched_layers``: Linear, MultiheadAttention, convolutions, by
 ``deferred_linear`` and ``deferred_conv``), and the exact split of any autograd
 graph by reading it (``graph_split``, ``autograd_graph``, ``weight_rules``), for
-everything the layers do not cover.
+everything the layers do not cover; on a first stage, whose input needs no gradient,
+it stops at the lowest products (``first_stage``).
 """
 
 from split_backward.chunk_split import (

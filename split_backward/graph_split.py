@@ -45,6 +45,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
 from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
+from split_backward.first_stage import stops
 from split_backward.records import Records, weight_root
 from split_backward.weight_rules import Deferred, fused, prepare
 
@@ -72,12 +73,13 @@ class _Capture:
 
     __slots__ = ("junction", "deferred", "complete", "entered", "sent")
 
-    def __init__(self, junction: Junction, deferred: Deferred | None) -> None:
+    def __init__(self, junction: Junction, deferred: Deferred | None,
+                 complete: bool | None = None) -> None:
         self.junction = junction
         self.deferred = deferred  # the junction's rule, its saved tensors taken
         # A custom autograd.Function (a compiled region too) computes every output it
         # returns in I: what it leaves None is no gradient, as in a plain backward.
-        self.complete = isinstance(junction.node, BackwardCFunction)
+        self.complete = isinstance(junction.node, BackwardCFunction) if complete is None else complete
         self.entered: Grads | None = None  # the gradients that entered the node in I
         self.sent: dict[int, torch.Tensor] = {}  # exits the node computed itself
 
@@ -216,7 +218,7 @@ def _unhooked_leaf(node: Node) -> bool:
     return isinstance(variable, torch.Tensor) and not variable._backward_hooks
 
 
-def _fusable(split: GraphSplit) -> list[Junction]:
+def _fusable(split: GraphSplit, junctions: Sequence[Junction]) -> list[Junction]:
     """The norms whose exits I may ask the engine for (``weight_rules.FUSED``).
 
     Asking for a slot makes the engine compute, in I, everything that flows into it:
@@ -226,14 +228,14 @@ def _fusable(split: GraphSplit) -> list[Junction]:
     So is a norm with an exit that is not a leaf without tensor hooks: the engine runs
     the hooks of a slot it captures, and W would run them again.
     """
-    fusable = {junction.node for junction in split.junctions if fused(junction.node)
+    fusable = {junction.node for junction in junctions if fused(junction.node)
                and all(_unhooked_leaf(exit.slot[0]) for exit in junction.exits)}
     while True:
-        shared = {junction.node for junction in split.junctions if junction.node in fusable
+        shared = {junction.node for junction in junctions if junction.node in fusable
                   and any(parent not in fusable for exit in junction.exits
                           for parent in split.parents[exit.slot[0]])}
         if not shared:
-            return [junction for junction in split.junctions if junction.node in fusable]
+            return [junction for junction in junctions if junction.node in fusable]
         fusable -= shared
 
 
@@ -256,21 +258,35 @@ def backward_input(
     grads = [torch.ones_like(root) if g is None else g for root, g in zip(roots, root_grads)]
     root_edges = [get_gradient_edge(root) for root in roots]
     input_edges = [get_gradient_edge(leaf) for leaf in inputs]
-    split = split_graph([edge.node for edge in root_edges], [edge.node for edge in input_edges])
+    root_nodes = [edge.node for edge in root_edges]
+    split = split_graph(root_nodes, [edge.node for edge in input_edges])
     if split.reentrant:
         return whole_backward(roots, grads, inputs), WeightGradients([], [])
+    stop_slots: list[Slot] = []
+    if not any(split.on_chain):
+        # No input to differentiate (a first stage): I runs down to the lowest products
+        # (``split_backward.first_stage``), W does them and what lies below.
+        stop_slots = stops(root_nodes)
+        if stop_slots:
+            stopped_split = split_graph(root_nodes, [node for node, _ in stop_slots])
+            if stopped_split.reentrant:  # it refuses an engine call that names inputs
+                stop_slots = []
+            else:
+                split = stopped_split
     seeds = [((edge.node, edge.output_nr), g)
              for edge, g, on_chain in zip(root_edges, grads, split.on_chain) if not on_chain]
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]
     if not chain:
         return (None,) * len(inputs), WeightGradients(seeds, [])
+    stop_nodes = {node for node, _ in stop_slots}
+    junctions = [junction for junction in split.junctions if junction.node not in stop_nodes]
     # A norm's exits are computed in I, with its input gradient (``weight_rules.FUSED``):
     # the engine returns what reaches each exit, and W only seeds it.
-    norms = _fusable(split)
+    norms = _fusable(split, junctions)
     fused_exits = list(dict.fromkeys(exit.slot for junction in norms for exit in junction.exits))
     captures = [
         _Capture(junction, prepare(junction.node, frozenset(exit.output for exit in junction.exits)))
-        for junction in split.junctions if junction not in norms
+        for junction in junctions if junction not in norms
     ]
     # A junction with a rule needs only the gradient entering it, and a node pre-hook sees
     # it after the node's tensor hooks (``h.register_hook`` on a layer's output): the
@@ -278,18 +294,31 @@ def backward_input(
     # hooked after the node, to see what they computed themselves.
     captured = [capture for capture in captures if capture.deferred is not None and not capture.complete]
     hooked = [capture for capture in captures if capture.deferred is None or capture.complete]
+    # A stop does not run in I: the engine captures the gradient entering it (after its
+    # tensor hooks), and W computes its outputs from that, by its rule or by calling it.
+    stopped = {junction.node: _Capture(junction, prepare(
+        junction.node, frozenset(exit.output for exit in junction.exits)), complete=False)
+        for junction in split.junctions if junction.node in stop_nodes}
     # Where every junction has its rule (or computes its whole backward in I), W reads only
     # what I left: the engine may free each node's saved tensors as I passes it (and must,
-    # for a compiled region that donates its buffers).
+    # for a compiled region that donates its buffers). A stop keeps its own: it never ran.
     keep_graph = any(capture.deferred is None and not capture.complete for capture in captures)
     handles = [capture.junction.node.register_prehook(capture.enter) for capture in captured]
     handles += [capture.junction.node.register_hook(capture) for capture in hooked]
     try:
         found = _engine([root for root, _ in chain], [g for _, g in chain], keep_graph=keep_graph,
-                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits)])
+                        inputs=[*input_edges, *(GradientEdge(*slot) for slot in fused_exits),
+                                *(GradientEdge(*slot) for slot in stop_slots)])
     finally:
         for handle in handles:
             handle.remove()
-    count = len(input_edges)
-    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[count:]) if grad is not None]
+    count, fused_count = len(input_edges), len(fused_exits)
+    seeds += [(slot, grad) for slot, grad in zip(fused_exits, found[count:count + fused_count])
+              if grad is not None]
+    for (node, _), grad in zip(stop_slots, found[count + fused_count:]):
+        # A leaf (a deferring layer's anchor) has nothing below it; a stop no gradient
+        # reached has nothing to give.
+        if node in stopped and grad is not None:
+            stopped[node].entered = (grad,)
+            captures.append(stopped[node])
     return found[:count], WeightGradients(seeds, captures, keep_graph)
