@@ -73,6 +73,13 @@ def bounded_int(value: int, path: str) -> int:
     return value
 
 
+def bounded_depth(depth: int, path: str) -> None:
+    """ValueError once a value nests ``MAX_DEPTH`` containers (at the sender, naming ``path``)."""
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"a value crossing ranks may nest at most {MAX_DEPTH} containers, "
+                         f"got more at {path}")
+
+
 def expect(condition: bool, expected: str, given: Any) -> None:
     if not condition:
         raise StructureError(f"expected {expected}, got {short(given)}")

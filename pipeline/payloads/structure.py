@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_int, expect,
-                                            load_document, short, type_name)
+from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_depth, bounded_int,
+                                            expect, load_document, short, type_name)
 
 FORMAT = 1  # the structure's format version, the first field of every structure
 MAX_STRUCTURE_BYTES = 1 << 20  # a structure's JSON text, at most (large data belongs in tensors)
@@ -128,9 +128,7 @@ def _value(value: Any, path: str, depth: int, node: type | None) -> Any:
         return {"float": value.hex()}
     if kind is complex:
         return {"complex": [value.real.hex(), value.imag.hex()]}
-    if depth >= MAX_DEPTH:
-        raise ValueError(f"a value crossing ranks may nest at most {MAX_DEPTH} containers, "
-                         f"got more at {path}")
+    bounded_depth(depth, path)
     if kind is tuple or kind is list:
         return {kind.__name__: [_value(item, f"{path}[{i}]", depth + 1, node)
                                 for i, item in enumerate(value)]}

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_int, expect,
-                                            load_document, short, type_name)
+from pipeline.payloads.checked_json import (MAX_DEPTH, StructureError, bounded_depth, bounded_int,
+                                            expect, load_document, short, type_name)
 
 FORMAT = 1  # the shared values' format version, the first field of every message
 MAX_JSON_BYTES = 1 << 28  # a message's JSON text, at most
@@ -105,9 +105,7 @@ def _encode(value: Any, path: str, depth: int, tensors: list[torch.Tensor]) -> A
         return value
     if kind is int:
         return bounded_int(value, path)
-    if depth >= MAX_DEPTH:
-        raise ValueError(f"a value crossing ranks may nest at most {MAX_DEPTH} containers, "
-                         f"got more at {path}")
+    bounded_depth(depth, path)
     if kind is tuple or kind is list:
         return {kind.__name__: [_encode(item, f"{path}[{i}]", depth + 1, tensors)
                                 for i, item in enumerate(value)]}
