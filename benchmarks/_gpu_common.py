@@ -156,6 +156,22 @@ def bounded(fn: Callable[[], Any], seconds: float) -> tuple[str, Any]:
     return ("ok", box["ok"]) if "ok" in box else ("error", box["error"])
 
 
+def budgeted_part(report: Report, part: str, label: str, needed: float, most: float,
+                  fn: Callable[[], Any]) -> None:
+    """Run one part's ``fn`` under what is left of the budget: with less than ``needed``
+    seconds left it is NOT RUN; it may take ``most`` seconds at most, past which it is a
+    HANG; an exception is a FAIL (``fn`` reports its own figures and PASSes)."""
+    if report.left() < needed:
+        report.skip(part, f"the {label}")
+        return
+    seconds = min(report.left(), most)
+    status, value = bounded(fn, seconds)
+    if status == "hang":
+        report.outcome(part, "HANG", label, f"not done in {seconds:.0f} s")
+    elif status == "error":
+        report.outcome(part, "FAIL", label, short(value))
+
+
 def join_group(rank: int, world: int, port: int, backend: str, timeout: float) -> torch.device:
     """In a spawned rank: this rank's device (``cuda:rank`` under NCCL, made current, and
     ``LOCAL_RANK`` set, which pipeline.group reads) and the default process group joined."""

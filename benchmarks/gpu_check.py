@@ -63,8 +63,8 @@ from typing import Callable
 import torch
 
 from _gpu_common import (BF16_CPU, BF16_GPU, EXACT_CPU, EXACT_GPU, MODES, PREDICT_GPU,
-                         TOLERANCE, Report, Sizes, bounded, grad_error, lm_loss, make_batch,
-                         make_gpt, reference_grads, short)
+                         TOLERANCE, Report, Sizes, bounded, budgeted_part, grad_error, lm_loss,
+                         make_batch, make_gpt, reference_grads, short)
 from _gpu_mesh import mesh_part
 from _gpu_ranks import two_ranks
 
@@ -277,48 +277,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def bf16_part(report: Report, device: str, dry: bool) -> None:
     """Part 3 under what is left of the budget; an exception or a stall is a FAIL / HANG."""
-    needed = 5.0 if dry else 30.0
-    if report.left() < needed:
-        report.skip("bf16", "the bf16 step")
-        return
     sizes, warmup, steps = (BF16_CPU, 1, 3) if dry else (BF16_GPU, 3, 10)
-    seconds = min(report.left(), 120.0)
-    status, value = bounded(lambda: bf16_step(report, device, sizes, warmup, steps), seconds)
-    if status == "hang":
-        report.outcome("bf16", "HANG", "bf16 step", f"not done in {seconds:.0f} s")
-    elif status == "error":
-        report.outcome("bf16", "FAIL", "bf16 step", short(value))
-
+    budgeted_part(report, "bf16", "bf16 step", 5.0 if dry else 30.0, 120.0,
+                  lambda: bf16_step(report, device, sizes, warmup, steps))
 
 
 def predict_part(report: Report, dry: bool) -> None:
     """Part 5 under what is left of the budget; an exception or a stall is a FAIL / HANG."""
     from _gpu_predict import predicted_against_measured, stage_devices
 
-    needed = 5.0 if dry else 40.0
-    if report.left() < needed:
-        report.skip("predict", "the predicted step")
-        return
     sizes, warmup, steps = (BF16_CPU, 1, 3) if dry else (PREDICT_GPU, 3, 10)
-    batch = make_batch(sizes)
-    seconds = min(report.left(), 150.0)
-    status, value = bounded(lambda: predicted_against_measured(
-        report, lambda: make_gpt(sizes, torch.float32), batch, lm_loss(), sizes.chunks,
-        stage_devices(dry), warmup, steps), seconds)
-    if status == "hang":
-        report.outcome("predict", "HANG", "predicted step", f"not done in {seconds:.0f} s")
-    elif status == "error":
-        report.outcome("predict", "FAIL", "predicted step", short(value))
+
+    def run() -> None:
+        predicted_against_measured(report, lambda: make_gpt(sizes, torch.float32),
+                                   make_batch(sizes), lm_loss(), sizes.chunks,
+                                   stage_devices(dry), warmup, steps)
+
+    budgeted_part(report, "predict", "predicted step", 5.0 if dry else 40.0, 150.0, run)
 
 
 def split_part(report: Report, dry: bool) -> None:
     """Part 7 under what is left of the budget: figures, an exception is a FAIL."""
     from bench_split_backward import BARS, measure
 
-    needed = 5.0 if dry else 30.0
-    if report.left() < needed:
-        report.skip("split", "the split backward's price")
-        return
     stages, repeat, warmup = (("gpt",), 2, 1) if dry else (("gpt", "resnet"), 30, 5)
 
     def run() -> None:
@@ -331,12 +312,7 @@ def split_part(report: Report, dry: bool) -> None:
                                  f"W/B {t['auto W'] / t['B']:.2f}, graph split's {graph:.2f}, "
                                  f"torch's {theirs:.2f}")
 
-    seconds = min(report.left(), 120.0)
-    status, value = bounded(run, seconds)
-    if status == "hang":
-        report.outcome("split", "HANG", "split backward", f"not done in {seconds:.0f} s")
-    elif status == "error":
-        report.outcome("split", "FAIL", "split backward", short(value))
+    budgeted_part(report, "split", "split backward", 5.0 if dry else 30.0, 120.0, run)
 
 
 if __name__ == "__main__":
