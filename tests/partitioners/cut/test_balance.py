@@ -6,6 +6,7 @@ import math
 import pickle
 import random
 import re
+from collections.abc import Iterator
 from fractions import Fraction
 
 import pytest
@@ -35,6 +36,16 @@ def random_weights(rng: random.Random, layers: int) -> list[float]:
     return [rng.choice([0, 0.0, 1, 2.5, rng.random(), rng.randint(0, 3)]) for _ in range(layers)]
 
 
+def random_cases(seed: int, count: int, most_layers: int
+                 ) -> Iterator[tuple[random.Random, int, int]]:
+    """``count`` cases of 1..``most_layers`` layers on 1..5 stages (at most one a layer), with
+    the generator that drew them, for the case's own draws."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        layers = rng.randint(1, most_layers)
+        yield rng, layers, rng.randint(1, min(5, layers))
+
+
 def check_sizes(sizes: list[int], layers: int, stages: int) -> None:
     assert len(sizes) == stages
     assert all(size >= 1 for size in sizes)
@@ -42,10 +53,7 @@ def check_sizes(sizes: list[int], layers: int, stages: int) -> None:
 
 
 def test_time_matches_brute_force_on_400_random_cases() -> None:
-    rng = random.Random(2024)
-    for _ in range(400):
-        layers = rng.randint(1, 12)
-        stages = rng.randint(1, min(5, layers))
+    for rng, layers, stages in random_cases(seed=2024, count=400, most_layers=12):
         weights = random_weights(rng, layers)
         sizes = balance(weights, stages, by="time")
         check_sizes(sizes, layers, stages)
@@ -137,11 +145,8 @@ def with_random_ties(rng: random.Random, costs: list[LayerCost]) -> list[LayerCo
 
 @pytest.mark.parametrize("ties", [False, True])
 def test_memory_limit_matches_brute_force(ties: bool) -> None:
-    rng = random.Random(7)
     checked = infeasible = 0
-    for _ in range(300):
-        layers = rng.randint(1, 10)
-        stages = rng.randint(1, min(5, layers))
+    for rng, layers, stages in random_cases(seed=7, count=300, most_layers=10):
         costs = random_costs(rng, layers)
         if ties:
             costs = with_random_ties(rng, costs)
@@ -194,10 +199,7 @@ def test_memory_limit_moves_layers_off_the_early_stages() -> None:
 
 
 def test_bandwidth_matches_brute_force() -> None:
-    rng = random.Random(11)
-    for _ in range(300):
-        layers = rng.randint(1, 10)
-        stages = rng.randint(1, min(5, layers))
+    for rng, layers, stages in random_cases(seed=11, count=300, most_layers=10):
         costs = random_costs(rng, layers)
         bandwidth = rng.choice([7, 10.0, 100, 0.5])
         limit = rng.choice([None, rng.randint(60, 400)])
@@ -224,11 +226,8 @@ def test_bandwidth_prefers_cutting_at_small_activations() -> None:
 
 
 def test_last_stage_extra_matches_brute_force() -> None:
-    rng = random.Random(19)
     moved = 0
-    for _ in range(300):
-        layers = rng.randint(1, 10)
-        stages = rng.randint(1, min(5, layers))
+    for rng, layers, stages in random_cases(seed=19, count=300, most_layers=10):
         costs = random_costs(rng, layers)
         extra = rng.choice([0, 1, 2.5, rng.random() * 4, 7])
         bandwidth = rng.choice([None, 10.0])
