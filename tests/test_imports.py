@@ -80,51 +80,51 @@ def test_packages_point_one_way() -> None:
     assert wrong == []
 
 
+def _room(module: str, rooms: tuple[str, ...]) -> int:
+    """How high ``module`` sits in its package: ``rooms`` go from the top down, and the
+    package's hall (its top-level modules, the façade) is above them all."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in rooms:
+        return len(rooms) - 1 - rooms.index(parts[1])
+    return len(rooms)
+
+
+def _pointing_up(package: str, rooms: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The imports inside ``package`` from a lower room to a higher one (or to the hall)."""
+    return [(source, target) for source, target in import_graph().edges
+            if source.split(".")[0] == package and target.startswith(f"{package}.")
+            and _room(target, rooms) > _room(source, rooms)]
+
+
+def _in_the_hall(package: str, rooms: tuple[str, ...]) -> list[str]:
+    return sorted(module for module in import_graph()
+                  if module.startswith(f"{package}.") and _room(module, rooms) == len(rooms))
+
+
+# pipeline/__init__.py, pipe.py, model_like.py, saving.py, checkpoints.py: the hall (façade).
 ROOMS = ("checkpointing", "setup", "predict", "runtime", "group", "transports", "compute",
          "payloads", "errors")
-FACADE = len(ROOMS)  # pipeline/__init__.py, pipe.py, model_like.py, saving.py, checkpoints.py
-
-
-def _room(module: str) -> int:
-    parts = module.split(".")
-    return len(ROOMS) - 1 - ROOMS.index(parts[1]) if len(parts) > 1 and parts[1] in ROOMS else FACADE
 
 
 def test_pipeline_rooms_point_down() -> None:
-    wrong = [(source, target) for source, target in import_graph().edges
-             if source.startswith("pipeline") and target.startswith("pipeline.")
-             and _room(target) > _room(source)]
-    assert wrong == []
+    assert _pointing_up("pipeline", ROOMS) == []
 
 
 def test_every_pipeline_module_has_a_room() -> None:
-    loose = sorted(module for module in import_graph()
-                   if module.startswith("pipeline.") and _room(module) == FACADE)
-    assert loose == ["pipeline.checkpoints", "pipeline.model_like", "pipeline.pipe", "pipeline.saving"]
+    assert _in_the_hall("pipeline", ROOMS) == [
+        "pipeline.checkpoints", "pipeline.model_like", "pipeline.pipe", "pipeline.saving"]
 
 
-
+# partitioners/__init__.py and __main__.py, the public names: the hall.
 PARTITIONER_ROOMS = ("cli", "plan", "cut", "measure", "errors")
 
 
-def _partitioner_room(module: str) -> int:
-    parts = module.split(".")
-    if len(parts) > 1 and parts[1] in PARTITIONER_ROOMS:
-        return len(PARTITIONER_ROOMS) - 1 - PARTITIONER_ROOMS.index(parts[1])
-    return len(PARTITIONER_ROOMS)  # partitioners/__init__.py and __main__.py: the public names
-
-
 def test_partitioners_rooms_point_down() -> None:
-    wrong = [(source, target) for source, target in import_graph().edges
-             if source.startswith("partitioners") and target.startswith("partitioners.")
-             and _partitioner_room(target) > _partitioner_room(source)]
-    assert wrong == []
+    assert _pointing_up("partitioners", PARTITIONER_ROOMS) == []
 
 
 def test_every_partitioners_module_has_a_room() -> None:
-    loose = sorted(module for module in import_graph() if module.startswith("partitioners.")
-                   and _partitioner_room(module) == len(PARTITIONER_ROOMS))
-    assert loose == ["partitioners.__main__"]
+    assert _in_the_hall("partitioners", PARTITIONER_ROOMS) == ["partitioners.__main__"]
 
 
 def test_partitioners_keeps_at_most_eight_files_in_its_hall() -> None:
