@@ -19,6 +19,13 @@ class ValueBranch(Block):
         return h
 
 
+class HookingBlock(Block):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        out = super().forward(h, scale)
+        out.register_hook(lambda grad: grad * 3)  # lost in a graph: refused
+        return out
+
+
 class SizeBranch(Block):
     def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > 3:  # a branch on a size: export guards it
@@ -89,11 +96,18 @@ def test_units_given_cut_there_and_stay_exact() -> None:
         assert (p.grad - expected[name]).abs().max().item() < 1e-12, name
 
 
-def test_control_flow_on_tensor_values_is_refused_naming_the_module() -> None:
+@pytest.mark.parametrize(("block", "message"), [
+    (ValueBranch, r"cannot trace Looped in 'blocks.0': its Python control flow depends on "
+                  r"tensor values"),
+    (HookingBlock, r"registers a tensor hook at .*test_traced_errors.py:\d+ "
+                   r"\(out.register_hook"),
+])
+def test_a_forward_a_graph_cannot_hold_is_refused_saying_where(block: type[Block],
+                                                                message: str) -> None:
+    """A branch on a tensor's value (naming the module) or a tensor hook (naming the line)."""
     batch, _ = looped_batch()
-    with pytest.raises(TraceError, match=r"cannot trace Looped in 'blocks.0': its Python "
-                                         r"control flow depends on tensor values"):
-        _pipe(_looped_with(ValueBranch), batch)
+    with pytest.raises(TraceError, match=message):
+        _pipe(_looped_with(block), batch)
 
 
 def test_a_branch_on_a_size_never_runs_for_another_size() -> None:
@@ -184,20 +198,6 @@ def test_deferred_batch_norm_is_refused_for_a_traced_model() -> None:
     with pytest.raises(ValueError, match=r"deferred_batch_norm=True .* a traced model does not "
                                          r"call \(3 BatchNorm layers, e.g. 'blocks.0.norm'\)"):
         _pipe(Normed(), x, deferred_batch_norm=True)
-
-
-class HookingBlock(Block):
-    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        out = super().forward(h, scale)
-        out.register_hook(lambda grad: grad * 3)  # lost in a graph: refused
-        return out
-
-
-def test_a_tensor_hook_registered_in_the_forward_is_refused_naming_the_line() -> None:
-    batch, _ = looped_batch()
-    with pytest.raises(TraceError, match=r"registers a tensor hook at .*test_traced_errors.py:"
-                                         r"\d+ \(out.register_hook"):
-        _pipe(_looped_with(HookingBlock), batch)
 
 
 def test_a_module_backward_hook_is_refused() -> None:
