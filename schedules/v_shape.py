@@ -85,20 +85,23 @@ def v_half(stages: int, microbatches: int) -> Schedule:
     """V-Half: two chunks per stage in a V, about half of 1F1B's activations.
 
     The V: stage 0 runs chunks 0 and 3, stage 1 chunks 1 and 2, every backward split
-    into I and W:
+    into I and W (from M = 3 on, in another order than ZB-V's):
 
-    >>> print(v_half(stages=2, microbatches=2))  # doctest: +NORMALIZE_WHITESPACE
-    stage 0: F0 F1 F0@c3 I0@c3 F1@c3 I1@c3 I0 W0@c3 I1 W1@c3 W0 W1
-    stage 1: F0@c1 F0@c2 F1@c1 F1@c2 I0@c2 I0@c1 I1@c2 I1@c1 W0@c2 W0@c1 W1@c2 W1@c1
+    >>> print(v_half(stages=2, microbatches=3))  # doctest: +NORMALIZE_WHITESPACE
+    stage 0: F0 F1 F2 F0@c3 I0@c3 W0@c3 F1@c3 I0 I1@c3 W0 W1@c3 F2@c3 I2@c3 I1 W2@c3 I2
+             W1 W2
+    stage 1: F0@c1 F0@c2 F1@c1 F1@c2 I0@c2 I0@c1 W0@c2 F2@c1 W0@c1 F2@c2 I1@c2 I1@c1
+             I2@c2 I2@c1 W1@c2 W1@c1 W2@c2 W2@c1
 
-    Against 1F1B at P = 8 (F = I = W): 5 micro-batches held on every stage where 1F1B's
-    stage 0 holds 8, and a shorter step:
+    At P = 8 (F = I = W) it holds 5 micro-batches on every stage where 1F1B's stage 0
+    and every stage of ZB-V (the same V at 1F1B's memory) hold 8; its step lies between:
 
-    >>> from schedules import one_f_one_b, simulate
-    >>> for schedule in (one_f_one_b(8, 16), v_half(8, 16)):
+    >>> from schedules import one_f_one_b, simulate, zero_bubble_v
+    >>> for schedule in (one_f_one_b(8, 16), zero_bubble_v(8, 16), v_half(8, 16)):
     ...     timeline = simulate(schedule, forward=1, backward=1, weight=1)
     ...     print(schedule.name, max(timeline.peak_activations), timeline.makespan)
     1f1b 8.0 69.0
+    zb-v 8.0 51.5
     v-half 5.0 56.5
 
     Args:
