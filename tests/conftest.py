@@ -47,6 +47,8 @@ MEASURED = frozenset({
     "test_traced_checkpoints.py::test_a_pipeline_checkpoint_loads_into_the_plain_model_and_back",
     "test_traced_errors.py::test_a_none_argument_is_a_constant_of_the_graph",  # 7 s
     "test_traced_exact.py::test_sequence_length_changes_between_steps",  # 6 s
+    # a trace and three split schedules each: 3-20 s
+    "test_traced_exact.py::test_traced_linear_layers_defer_their_weight_gradients_to_w_exactly",
     "test_v_shape.py::test_peak_activations_within_the_bar",  # 9 s
     "test_v_shape.py::test_no_schedule_idles_less_than_the_bound",  # 3-12 s
     "test_v_shape.py::test_bubble_time_bars_of_issue_13",  # 6-15 s

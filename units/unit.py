@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from units.calls import CallSpec
@@ -35,6 +35,11 @@ class Unit(nn.Module):
         self._call = call            # the first unit: how the batch is flattened
         self._outputs = outputs      # the last unit: how the model's output is rebuilt
         self.lifted: set[str] = set()  # buffers of constants the trace lifted out of the code
+
+    @property
+    def graphs(self) -> tuple[fx.GraphModule, ...]:
+        """The traced programs it runs: one per mode (training, evaluation)."""
+        return tuple(program.module for program in self._programs.values())
 
     def extra_repr(self) -> str:
         return f"{self.index}: {self.name}"

@@ -73,13 +73,19 @@ def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequent
                 f"nested Sequentials"
             )
         return model, None
-    from units import cut_model
+    from units import Unit, cut_model
 
     if isinstance(units, str) or (units is not None and not all(
             isinstance(name, str) for name in units)):
         raise TypeError(f"units must be a list of module names, got {units!r}")
+    from split_backward.traced_linears import defer_traced_linears
+
     first = sample[0] if isinstance(sample, list) else sample
     traced = cut_model(model, first, units)
+    for unit in traced.sequential:
+        assert isinstance(unit, Unit)
+        for graph in unit.graphs:  # their Linear layers defer under a split, as modules do
+            defer_traced_linears(graph)
     return traced.sequential, traced
 
 

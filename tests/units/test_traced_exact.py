@@ -191,3 +191,38 @@ def test_more_families_as_written(family: str) -> None:
     assert abs(loss.item() - expected_loss.item()) < TOLERANCE
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert (p.grad - q.grad).abs().max().item() < TOLERANCE, name
+
+
+@pytest.mark.parametrize("split", ["layers", "graph"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_traced_linear_layers_defer_their_weight_gradients_to_w_exactly(
+        kind: str, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced model's Linear layers are ``aten.linear`` nodes (GPT-2's Conv1D ``aten.addmm``),
+    not module calls: under ``split_backward="layers"`` they defer like an ``nn.Linear``
+    (W runs their recorded products), under ``"graph"`` the graph split takes them; both
+    exact."""
+    from split_backward.chunk_split import ChunkSplit
+    from split_backward.traced_linears import addmm, linear
+
+    recorded: list[object] = []
+    record = ChunkSplit.record
+    monkeypatch.setattr(ChunkSplit, "record", lambda self, r: (recorded.append(r), record(self, r)))
+    model, batch, target = build(kind)
+    loss_expected, grads_expected = reference(copy.deepcopy(model), batch, target, kind)
+    for schedule, mode in (("zb-h1", "never"), ("zb-v", "always"), ("dualpipe-v", "never")):
+        model.zero_grad()
+        with Pipe(model, chunks=4, schedule=schedule, checkpoint=mode, sample=batch,
+                  devices=["cpu", "cpu"], split_backward=split, **loss_options(kind)) as pipe:
+            loss = pipe.step(batch, target)
+            products = [node for unit in pipe.model for graph in unit.graphs
+                        for node in graph.graph.nodes if node.target in (linear, addmm)]
+            blocks = len(pipe.units) - 2
+        # every projection of every block points at a deferring function (Llama 7, GPT-2 4)
+        assert len(products) >= 2 * 4 * blocks, len(products)  # two graphs: train and eval
+        assert abs(loss.item() - loss_expected) < TOLERANCE, (schedule, mode)
+        for name, p in model.named_parameters():
+            assert (p.grad - grads_expected[name]).abs().max().item() < TOLERANCE, (schedule, name)
+    if split == "layers":
+        assert len(recorded) > 0, "no traced Linear deferred its weight gradient"
+    else:
+        assert recorded == []

@@ -1,0 +1,100 @@
+"""A traced program's linear products pointed at functions that defer inside a split.
+
+A model traced by ``torch.export`` (``units``) runs its Linear layers as
+``aten.linear`` nodes of an ``fx`` graph, and Hugging Face's ``Conv1D`` (GPT-2's
+projections, a weight stored (in, out)) as ``aten.addmm(bias, rows, weight)``, never
+through a layer's ``forward``, so switching layers (``switched_layers``) cannot
+reach them. Pointing those nodes here can: outside a chunk's split each function is
+the same ATen call, and inside one it defers the weight gradient as a switched
+``nn.Linear`` does, on the parameter the program reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from split_backward.records import Record, cast
+from split_backward.switched_layers import ACTIVE, linear
+
+_ATEN_LINEAR = torch.ops.aten.linear.default
+_ATEN_ADDMM = torch.ops.aten.addmm.default
+
+
+@dataclass(slots=True)
+class AddmmRecord(Record):
+    """``bias + rows @ weight``'s share of W, the weight stored (in, out)."""
+
+    def products(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.input.t().mm(self.grad_output), self.grad_output.sum(0) if bias else None
+
+
+class DeferredAddmm(torch.autograd.Function):
+    """``torch.addmm(bias, rows, weight)`` with the weight's gradient left to an ``AddmmRecord``."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, anchor: torch.Tensor | None,
+                parameters: tuple[torch.Tensor, torch.Tensor],
+                record: Callable[[Record], None]) -> torch.Tensor:
+        weight, bias = parameters
+        device = rows.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            rows_used, weight_used, bias_used = cast(rows, dtype), cast(weight, dtype), \
+                cast(bias, dtype)
+            assert rows_used is not None and weight_used is not None and bias_used is not None
+            with torch.autocast(device, enabled=False):
+                out = torch.addmm(bias_used, rows_used, weight_used)
+        else:
+            rows_used, weight_used = rows, weight
+            out = torch.addmm(bias, rows, weight)
+        ctx.save_for_backward(rows_used, weight_used)
+        ctx.parameters = parameters
+        ctx.record = record
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        rows, weight_used = ctx.saved_tensors
+        weight, bias = ctx.parameters
+        ctx.record(AddmmRecord(weight, bias, rows, grad_output))
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        return grad_output.mm(weight_used.t()), None, None, None
+
+
+def addmm(bias: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, *,
+          beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    """``torch.addmm``, deferred where the split that is on takes ``weight`` (a 2-D product
+    plus a 1-D bias, unscaled: Conv1D's)."""
+    split = ACTIVE.get()
+    if split is not None and beta == 1 and alpha == 1 and bias.dim() == 1 \
+            and rows.dim() == 2 and torch.is_grad_enabled() \
+            and split.defers(weight, bias, rows.numel() * weight.shape[1]):
+        anchor = None if rows.requires_grad else torch.empty(0, requires_grad=True)
+        out: torch.Tensor = DeferredAddmm.apply(  # type: ignore[no-untyped-call]
+            rows, anchor, (weight, bias), split.record)
+        return out
+    return torch.addmm(bias, rows, weight, beta=beta, alpha=alpha)
+
+
+_POINTED: dict[Any, Callable[..., torch.Tensor]] = {_ATEN_LINEAR: linear, _ATEN_ADDMM: addmm}
+
+
+def defer_traced_linears(module: fx.GraphModule) -> int:
+    """Point ``module``'s ``aten.linear`` and ``aten.addmm`` calls at their deferring
+    functions (once; a program already pointed is left as it is); returns how many
+    calls it has."""
+    count = 0
+    for node in module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.target = _POINTED.get(node.target, node.target)
+        if node.target is linear or node.target is addmm:
+            count += 1
+    module.recompile()
+    return count
