@@ -3,6 +3,7 @@
 Each generator's own file keeps what sets it apart (its literal timetables, its bounds).
 """
 
+import doctest
 import math
 from fractions import Fraction
 
@@ -117,3 +118,19 @@ def test_every_action_once_on_the_stage_holding_its_chunk(name):
             assert present == expected, case
         spelled = name.upper().replace("-", "_")
         assert get_schedule(spelled, stages, microbatches, **options) == schedule, case
+
+
+def test_no_two_generators_show_the_same_timetable_in_their_doctests():
+    """Each docstring shows what sets its schedule apart, not a grid another one prints."""
+    finder = doctest.DocTestFinder()
+    shown: dict[str, str] = {}
+    for name in schedule_names():
+        generator = schedule_info(name).generator
+        for test in finder.find(generator, generator.__name__):
+            for example in test.examples:
+                if example.want.startswith("stage 0:"):
+                    grid = " ".join(example.want.split())
+                    assert grid not in shown, f"{name} shows {shown.get(grid)}'s timetable"
+                    shown[grid] = name
+    # V-Min's timetable is V-Half's where a small one fits: it shows its peaks and step instead.
+    assert set(shown.values()) == set(schedule_names()) - {"v-min"}
