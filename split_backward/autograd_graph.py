@@ -20,6 +20,7 @@ an input (its root is simply off the chain).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import NamedTuple
 
 from torch.autograd.graph import Node
@@ -107,3 +108,54 @@ def split_graph(roots: Sequence[Node], inputs: Sequence[Node]) -> GraphSplit:
             junctions.append(Junction(node, exits))
     reentrant = any(isinstance(node, _REENTRANT) for node in chain)
     return GraphSplit(tuple(root in chain for root in roots), tuple(junctions), parents, reentrant)
+
+
+_SAVED: dict[type, tuple[str, ...]] = {}  # a node class -> the names of its raw saved tensors
+
+
+def recomputed_once(node: Node) -> bool:
+    """Whether a tensor ``node`` saved is recomputed by a checkpoint that refuses a second
+    recomputation: a non-reentrant ``torch.utils.checkpoint`` with a ``context_fn``
+    (selective activation checkpointing replays what its policy kept once, then raises).
+
+    The graph split reads a rule's saved tensors before I (a recomputation of its own),
+    then the engine unpacks them in I (another): such a graph takes a whole backward in I.
+    Reads torch's internals: a checkpoint's unpack hook closes over its
+    ``_CheckpointFrame``, whose ``recompute_fn`` closes over ``recompute_context``
+    (a ``nullcontext`` without a ``context_fn``). Were torch to change that, this
+    returns False and a selective checkpoint fails with torch's own error in I, never
+    silently.
+    """
+    names = _SAVED.get(type(node))
+    if names is None:
+        names = _SAVED[type(node)] = tuple(name for name in dir(node) if name.startswith("_raw_saved_"))
+    for name in names:
+        try:
+            saved = getattr(node, name)
+        except RuntimeError:  # freed
+            continue
+        for one in saved if isinstance(saved, (list, tuple)) else (saved,):
+            if _selective(getattr(one, "unpack_hook", None)):
+                return True
+    return False
+
+
+def _selective(hook: object) -> bool:
+    if hook is None or getattr(hook, "__qualname__", "") != "_checkpoint_hook.__init__.<locals>.unpack_hook":
+        return False
+    for cell in getattr(hook, "__closure__", None) or ():
+        recompute = getattr(_contents(cell), "recompute_fn", None)
+        code = getattr(recompute, "__code__", None)
+        if recompute is None or code is None:
+            continue
+        for name, inner in zip(code.co_freevars, recompute.__closure__ or ()):
+            if name == "recompute_context" and not isinstance(_contents(inner), nullcontext):
+                return True
+    return False
+
+
+def _contents(cell: object) -> object:
+    try:
+        return cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return None

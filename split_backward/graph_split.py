@@ -44,7 +44,7 @@ from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.autograd.variable import Variable
 
-from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, split_graph
+from split_backward.autograd_graph import Exit, GraphSplit, Junction, Slot, recomputed_once, split_graph
 from split_backward.first_stage import stops
 from split_backward.records import Records, weight_root
 from split_backward.weight_rules import Deferred, fused, prepare
@@ -278,6 +278,10 @@ def backward_input(
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]
     if not chain:
         return (None,) * len(inputs), WeightGradients(seeds, [])
+    if any(recomputed_once(junction.node) for junction in split.junctions):
+        # A selective checkpoint recomputes once: reading its tensors before I would be a
+        # second recomputation (``autograd_graph.recomputed_once``).
+        return whole_backward(roots, grads, inputs), WeightGradients([], [])
     stop_nodes = {node for node, _ in stop_slots}
     junctions = [junction for junction in split.junctions if junction.node not in stop_nodes]
     # A norm's exits are computed in I, with its input gradient (``weight_rules.FUSED``):

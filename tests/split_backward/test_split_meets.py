@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from pipeline import Pipe
+from split_backward.switched_layers import switched
 
 CHUNKS = 4
 RUNS = (("zb-h1", "layers"), ("zb-h1", "auto"), ("zb-v", "layers"), ("zb-v", "auto"),
@@ -54,7 +55,7 @@ def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 def _switched(model: nn.Module) -> int:
-    return sum("forward" in module.__dict__ for module in model.modules())
+    return sum(switched(module) for module in model.modules())
 
 
 def _pipe(model: nn.Module, schedule: str, path: str, **options: Any) -> Pipe:
@@ -111,3 +112,133 @@ def test_fp16_autocast_with_a_grad_scaler(schedule: str, path: str) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     scaler.step(optimizer)
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+class Block(nn.Module):
+    """A residual LayerNorm + MLP block; ``policy``: its MLP under selective checkpointing."""
+
+    def __init__(self, width: int = 8, policy: Callable[..., CheckpointPolicy] | None = None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.policy is None or not torch.is_grad_enabled():
+            return x + self.mlp(h)
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        return x + checkpoint(self.mlp, h, use_reentrant=False, context_fn=context)
+
+
+def _save_products(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep the matrix products' outputs, recompute the rest (GELU, views)."""
+    products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return CheckpointPolicy.MUST_SAVE if op in products else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _float64_step(build: Callable[[], nn.Sequential], schedule: str, path: str,
+                  balance: list[int] | None = None, **options: Any) -> tuple[nn.Module, float]:
+    """One step of a float64 model on a Pipe; the worst gradient difference from the plain
+    model micro-batch by micro-batch."""
+    torch.manual_seed(1)
+    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randint(0, 3, (12,))
+    reference, model = build(), build()
+    _reference(reference, x, y, loss_fn=nn.functional.cross_entropy)
+    pipe = Pipe(model, CHUNKS, balance=balance or _balance(schedule), devices=["cpu", "cpu"],
+                schedule=schedule, split_backward=path, loss_fn=nn.CrossEntropyLoss(), **options)
+    pipe.step(x, y)
+    pipe.close()
+    worst = max(float((p.grad - q.grad).abs().max())
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return model, worst
+
+
+@pytest.mark.parametrize("schedule, path", [("zb-h1", "layers"), ("zb-v", "layers")])
+def test_compiled_blocks_under_the_layers_path(schedule: str, path: str) -> None:
+    """A compiled block is one autograd.Function whose backward computes its input and weight
+    gradients together: it runs whole in I (its Linear layers stay unswitched), the
+    layers around it defer."""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), Block(), Block(), nn.Linear(8, 8), Block(),
+                              nn.Linear(8, 3)).double()
+        for index in (1, 2, 4):
+            model[index] = torch.compile(model[index], backend="aot_eager")
+        return model
+
+    balance = [3, 3] if schedule == "zb-h1" else [2, 1, 2, 1]
+    model, worst = _float64_step(build, schedule, path, balance, checkpoint="except_last")
+    assert worst < 1e-10
+    assert switched(model[0]) and switched(model[5])
+    assert not any(switched(module) for module in model[1].modules())
+
+
+@pytest.mark.parametrize("schedule, path", [("zb-h1", "layers"), ("zb-v", "layers"),
+                                            ("zb-h1", "auto"), ("zb-v", "graph")])
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_selective_activation_checkpointing_inside_a_block(schedule: str, path: str,
+                                                           mode: str) -> None:
+    """The recomputation runs inside I with the layers switched as in the forward: the
+    deferred products' saved outputs come from SAC's cache, the rest recomputed."""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), Block(policy=_save_products), nn.Tanh(),
+                             Block(policy=_save_products), Block(policy=_save_products),
+                             nn.Linear(8, 3)).double()
+
+    balance = [3, 3] if schedule == "zb-h1" else [2, 1, 2, 1]
+    model, worst = _float64_step(build, schedule, path, balance, checkpoint=mode)
+    assert worst < 1e-10
+    assert (_switched(model) > 0) == (path == "layers" or path == "auto")
+
+
+def test_post_accumulate_hooks_see_each_microbatchs_gradient_once() -> None:
+    """A head tied to a soft embedding in its chunk and a Linear used twice, the Linear
+    layers deferring: each parameter's post-accumulate hook fires once per micro-batch and
+    sees what the plain model's sees after that micro-batch."""
+    class Tied(nn.Module):
+        def __init__(self, head: nn.Linear) -> None:
+            super().__init__()
+            self.weight = head.weight
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h + torch.softmax(h[:, :3], -1) @ self.weight
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(torch.tanh(self.linear(x)))
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        head = nn.Linear(8, 3)
+        return nn.Sequential(nn.Linear(8, 8), Twice(), nn.Tanh(), Tied(head), Twice(), head).double()
+
+    seen: dict[int, dict[str, list[torch.Tensor]]] = {}
+
+    def hooked(model: nn.Module) -> nn.Module:
+        record = seen.setdefault(len(seen), {})
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, calls=record.setdefault(name, []): calls.append(p.grad.clone()))
+        return model
+
+    torch.manual_seed(1)
+    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randint(0, 3, (12,))
+    reference, model = hooked(build()), hooked(build())
+    _reference(reference, x, y, loss_fn=nn.functional.cross_entropy)
+    pipe = Pipe(model, CHUNKS, balance=[3, 3], devices=["cpu", "cpu"], schedule="zb-h1",
+                split_backward="layers", loss_fn=nn.CrossEntropyLoss())
+    pipe.step(x, y)
+    pipe.close()
+    assert _switched(model) == 4
+    expected, found = seen[0], seen[1]
+    assert list(found) == list(expected) and len(found) == 8  # the tied weight once
+    for name in expected:
+        assert len(found[name]) == len(expected[name]) == CHUNKS, name
+        for mine, theirs in zip(found[name], expected[name]):
+            assert float((mine - theirs).abs().max()) < 1e-10, name
