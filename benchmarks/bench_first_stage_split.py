@@ -13,6 +13,10 @@ on 4 x 64 tokens; (b) ``linear``, 8 x Linear(16) on 64 rows. Each round runs, in
 turn, a forward then B, and for each path (``graph``, ``layers``, ``auto``, a
 ``ChunkSplit`` switched on, as a Pipe keeps one per chunk) a forward then its I
 and W with no input to differentiate. Printed: medians of I/B, W/B and (I+W)/B.
+
+With ``--pipe`` it instead runs bench_split_backward's Pipe (4 such blocks,
+``balance=[2, 2]``, 4 micro-batches of 4 x 64 tokens) under 1F1B and ZB-H1 and prints,
+per path, stage 0's median B (1F1B), I and W (ZB-H1) from ``pipe.timeline``.
 """
 
 from __future__ import annotations
@@ -83,12 +87,46 @@ def one_round(model: nn.Module, x: torch.Tensor, first: int,
     return times
 
 
+def pipe_table(steps: int) -> None:
+    """Stage 0's B under 1F1B and I, W under ZB-H1, per path, from the Pipe's timelines."""
+    from pipeline import Pipe
+    from schedules import Op
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    x, y = torch.randn(16, 64, 128), torch.randn(16, 64, 128)
+    runs = [("1f1b", "auto", (Op.B,))] + [("zb-h1", path, (Op.I, Op.W)) for path in PATHS]
+    durations: dict[tuple[str, Op], list[float]] = {}
+    for schedule, path, ops in runs:
+        pipe = Pipe(model, chunks=4, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule,
+                    checkpoint="never", loss_fn=nn.MSELoss(), split_backward=path)
+        for step in range(steps + 1):
+            pipe.step(x, y)
+            model.zero_grad(set_to_none=True)
+            if step == 0:
+                continue  # warm-up: the layers switch on at the first I
+            for event in pipe.timeline.events:
+                if event.stage == 0 and event.action.op in ops:
+                    durations.setdefault((path, event.action.op), []).append(event.duration)
+        pipe.close()
+    b = statistics.median(durations[("auto", Op.B)])
+    print(f"stage 0, B (1f1b) {b * 1e3:.1f} ms")
+    print(f"{'path':7} {'I ms':>7} {'W ms':>7} {'I/B':>6} {'W/B':>6} {'(I+W)/B':>8}")
+    for path in PATHS:
+        i, w = (statistics.median(durations[(path, op)]) for op in (Op.I, Op.W))
+        print(f"{path:7} {i * 1e3:7.1f} {w * 1e3:7.1f} {i / b:6.2f} {w / b:6.2f} {(i + w) / b:8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--stages", nargs="+", default=["gpt", "linear"], choices=["gpt", "linear"])
+    parser.add_argument("--pipe", action="store_true", help="stage 0 of a Pipe instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.pipe:
+        pipe_table(steps=4)
+        return 0
     print(f"{'stage':7} {'path':7} {'B ms':>8} {'I/B':>6} {'W/B':>6} {'(I+W)/B':>8}")
     for name in args.stages:
         model, x = make_stage(name)
