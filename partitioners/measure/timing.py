@@ -76,10 +76,10 @@ def run_split(
         roots, grads = _roots(module(fresh))
     if not roots:
         return 0.0, 0.0
+    # Without an input to differentiate (a first layer), I still runs the backward down to
+    # the lowest products (``split_backward.first_stage``): timed as it runs.
     backward_input_seconds, (_, weights) = _timed(
         device, lambda: split.backward_input(roots, list(grads), leaves, 0))
-    if not leaves and not weights.records:
-        backward_input_seconds = 0.0  # nothing to differentiate: the whole backward is W's
     if weights.empty:
         return backward_input_seconds, 0.0
     backward_weight_seconds, _ = _timed(device, weights.run)
@@ -94,8 +94,7 @@ def held_for_weights(module: nn.Module, inputs: Any, grad_input: bool, exclude: 
     Returns:
         The bytes of the saved tensors W reads, the gradients I captured and what the
         deferring layers recorded, or None where the whole graph stays until W (a node
-        without a weight rule, or no input gradient to compute and no layer deferring,
-        as for a first layer whose input needs none).
+        without a weight rule).
     """
     split.begin_step()
     fresh, leaves = fresh_inputs(inputs, grad_input)

@@ -43,9 +43,11 @@ def test_bytes_of_a_linear_and_a_relu() -> None:
         activation_bytes=batch * 2 * width * 4,
         saved_bytes=batch * width * 4,  # its input; the weight is a parameter, not counted
         name="Linear",
-        backward_input=0.0,  # the first layer: the sample needs no gradient
+        backward_input=linear.backward_input,  # the first layer: I stops at its product
         backward_weight=linear.backward_weight,
-        weight_bytes=None,  # no input gradient: the whole graph waits for W
+        # No input gradient: I captures the gradient entering the product, W reads it and
+        # the input (split_backward.first_stage); was the whole graph (None).
+        weight_bytes=batch * (2 * width + width) * 4,
         kept_input_bytes=batch * width * 4,
     )
     assert linear.output_bytes == linear.activation_bytes
@@ -371,17 +373,14 @@ def test_a_tensor_two_neighbours_save_counts_once_in_a_chunk(inplace: bool) -> N
 
 @pytest.mark.parametrize("path", ["graph", "layers"])
 def test_i_and_w_are_those_of_the_split_the_runtime_runs(path: str) -> None:
-    """The first layer's input needs no gradient: the graph split's I computes nothing and
-    keeps the whole graph for W (weight_bytes None, I 0 s), while a Linear that defers its
-    weight gradient runs I (nothing) and keeps for W exactly its input and its output's
-    gradient. profile(split_backward=...) measures the path asked for, and leaves the
-    model's layers as they were."""
+    """The first layer's input needs no gradient: the graph split's I stops at its product
+    (``split_backward.first_stage``) and a Linear that defers its weight gradient runs I
+    (nothing): both keep for W exactly its input and its output's gradient (the graph
+    split kept the whole graph: weight_bytes None). profile(split_backward=...) measures
+    the path asked for, and leaves the model's layers as they were."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
     costs = profile(model, torch.randn(8, 16), warmup=1, repeat=2, split_backward=path)
-    if path == "graph":
-        assert costs[0].weight_bytes is None
-    else:
-        assert costs[0].weight_bytes == (8 * 16 + 8 * 32) * 4
-        assert costs[2].weight_bytes == (8 * 32 + 8 * 8) * 4
+    assert costs[0].weight_bytes == (8 * 16 + 8 * 32) * 4
+    assert costs[2].weight_bytes == (8 * 32 + 8 * 8) * 4
     assert not any("forward" in module.__dict__ for module in model)
