@@ -10,7 +10,7 @@ down to the *stops*, the lowest nodes that compute a weight's share of a layer:
 - a node with a weight rule (``weight_rules.RULES``: a product, a convolution, a
   norm, an add or multiply) that has no other such node below it;
 - below a layer that defers its own weight gradient (``deferred_linear``,
-  ``deferred_conv``), the node its input gradient goes to (its anchor when the input
+  ``deferred_conv``, ``traced_linears``), the node its input gradient goes to (its anchor when the input
   needs none): such a layer must run in I, where its record is taken.
 
 I captures the gradient entering each stop; W turns it into the stop's outputs (by
@@ -31,9 +31,10 @@ from torch.autograd.graph import Node
 from split_backward.autograd_graph import Slot
 from split_backward.deferred_conv import DeferredConvolution
 from split_backward.deferred_linear import DeferredLinear
+from split_backward.traced_linears import DeferredAddmm
 from split_backward.weight_rules import RULES
 
-_DEFERRING = (DeferredLinear, DeferredConvolution)
+_DEFERRING = (DeferredLinear, DeferredConvolution, DeferredAddmm)
 
 
 def _deferring(node: Node) -> bool:

@@ -260,3 +260,40 @@ def test_a_first_stage_of_small_layers_under_auto_splits_too():
     _, weights = split.backward_input([out], [torch.ones_like(out)], [], 0)
     assert not weights.records and _hook_calls(model) == [1, 1, 1, 1]
     weights.run()
+
+
+class TracedConv1D(nn.Module):
+    """A traced GPT-2 projection (``aten.addmm`` pointed at ``traced_linears.addmm``, its
+    weight stored (in, out)) first in the stage, its weight read again by a product."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / 4)
+        self.bias = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        from split_backward.traced_linears import addmm
+
+        return torch.tanh(addmm(self.bias, x, self.weight)) @ self.weight.t()
+
+
+def test_a_traced_product_below_the_stops_still_records_in_i():
+    """A deferring node below every weight rule: I must still run it (its record is taken
+    in I), so the stops lie below it, at its anchor."""
+    torch.manual_seed(0)
+    model = TracedConv1D()
+    reference = copy.deepcopy(model)
+    split = ChunkSplit(model, "layers")
+    split.install()
+    for microbatch in range(2):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        x = _rows()
+        with split.forwarding(microbatch):
+            out = model(x)
+        _, weights = split.backward_input([out], [torch.ones_like(out)], [], microbatch)
+        assert len(weights.records) == 1
+        weights.run()
+        _plain(reference, x)
+        for (key, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert p.grad is not None and (p.grad - q.grad).abs().max() < TOLERANCE, key
