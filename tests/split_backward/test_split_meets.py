@@ -74,14 +74,17 @@ def _worst(model: nn.Module, reference: nn.Module) -> float:
 
 
 @pytest.mark.parametrize("schedule, path", RUNS)
-def test_bf16_autocast_equals_the_plain_model_under_autocast(schedule: str, path: str) -> None:
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_bf16_autocast_equals_the_plain_model_under_autocast(schedule: str, path: str,
+                                                             mode: str) -> None:
     """Deferred products multiply what autocast's would (the bf16 casts of input and output
-    gradient): bit for bit the plain model's under autocast, as the unsplit 1F1B is. A W
-    multiplying the float32 input instead differs by bf16 rounding (~1e-3)."""
+    gradient): bit for bit the plain model's under autocast, as the unsplit 1F1B is, the
+    recomputation in I included. A W multiplying the float32 input instead differs by bf16
+    rounding (~1e-3)."""
     x, y = torch.randn(32, 64), torch.randn(32, 8)
     reference, model = _wide(), _wide()
     _reference(reference, x, y, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    pipe = _pipe(model, schedule, path)
+    pipe = _pipe(model, schedule, path, checkpoint=mode)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         pipe.step(x, y)
     pipe.close()
