@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline import Pipe, gather_state_dict
+from pipeline import Distributed, Pipe, gather_state_dict
 from traced_models import build, loss_options, reference
 
 
@@ -25,7 +25,7 @@ def exact_on_ranks(rank: int, world: int, kinds: list[str], schedules: list[str]
             for mode in modes:
                 model = copy.deepcopy(base)
                 with Pipe(model, chunks=4, schedule=schedule, checkpoint=mode, sample=batch,
-                          group=dist.group.WORLD, transport=transport,
+                          distributed=Distributed(dist.group.WORLD, transport=transport),
                           **loss_options(kind)) as pipe:
                     loss = pipe.step(batch, target)
                     local = {id(p) for p in pipe.parameters()}
@@ -84,8 +84,9 @@ def mesh_exact(rank: int, world: int, combinations: list[tuple[str, str, str]]
     rows = []
     for data_parallel, schedule, mode in combinations:
         model = copy.deepcopy(base)
-        with Pipe(model, chunks=2, schedule=schedule, checkpoint=mode, sample=mine, mesh=mesh,
-                  data_parallel=data_parallel, **loss_options("llama")) as pipe:
+        with Pipe(model, chunks=2, schedule=schedule, checkpoint=mode, sample=mine,
+                  distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel),
+                  **loss_options("llama")) as pipe:
             loss = pipe.step(mine, target[replica * 4:(replica + 1) * 4])
             local = {id(p) for p in pipe.parameters()}
             errors = []

@@ -1,4 +1,4 @@
-"""Rank functions for tests/pipeline/test_inference.py (importable by name)."""
+"""Rank functions for tests/pipeline/runtime/test_inference.py (importable by name)."""
 
 from __future__ import annotations
 
@@ -54,15 +54,15 @@ def under_inference_mode(rank: int, world: int, schedules: tuple[tuple[str, str]
                          ) -> list[tuple[str, str, float]]:
     """``inference_then_training`` on 2 ranks per (schedule, transport): rows of
     (schedule and transport, call, difference)."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     rows = []
     for schedule, transport in schedules:
         model = small_model()
         plain = copy.deepcopy(model)
-        pipe = Pipe(model, 3, schedule=schedule, group=dist.group.WORLD, timeout=30.0,
-                    loss_fn=nn.MSELoss(), transport=transport)
+        pipe = Pipe(model, 3, schedule=schedule, timeout=30.0, loss_fn=nn.MSELoss(),
+                    distributed=Distributed(dist.group.WORLD, transport=transport))
         rows += [(f"{schedule} {transport}", call, difference)
                  for call, difference in inference_then_training(pipe, model, plain)]
         pipe.close()

@@ -102,7 +102,7 @@ def gpt_exact(rank: int, world: int, shape: Sequence[int], combinations: Sequenc
     combination: (combination, loss error, gradient error, parameters compared). (A model
     with dropout has no unpipelined twin: ``random_equal`` compares FSDP with replicas
     under one seed.)"""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
@@ -114,9 +114,12 @@ def gpt_exact(rank: int, world: int, shape: Sequence[int], combinations: Sequenc
         data_parallel, schedule, mode = combination
         trained = copy.deepcopy(model)
         pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
-                    checkpoint=mode, loss_fn=zoo.gpt_loss(), mesh=mesh,
-                    tensor_parallel=plan_for(shape), data_parallel=data_parallel,
-                    reshard_after_forward=reshard_after_forward, timeout=60.0)
+                    checkpoint=mode, loss_fn=zoo.gpt_loss(),
+                    distributed=Distributed.from_mesh(
+                        mesh, data_parallel=data_parallel,
+                        reshard_after_forward=reshard_after_forward,
+                        tensor_parallel=plan_for(shape)),
+                    timeout=60.0)
         loss = float(pipe.step(x, y))
         found = full_grads(trained)
         rows.append((combination, abs(loss - expected_loss), worst(found, expected), len(found)))
@@ -127,7 +130,7 @@ def gpt_exact(rank: int, world: int, shape: Sequence[int], combinations: Sequenc
 def random_equal(rank: int, world: int, shape: Sequence[int], schedule: str) -> float:
     """Dropout and stochastic depth under one seed: FSDP's gradients equal the replicated
     pipeline's (the largest difference)."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
@@ -137,7 +140,9 @@ def random_equal(rank: int, world: int, shape: Sequence[int], schedule: str) -> 
     for data_parallel in ("replicate", "fsdp"):
         trained = copy.deepcopy(model)
         pipe = Pipe(trained, CHUNKS, balance=balance_for(schedule, shape[0]), schedule=schedule,
-                    loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel, timeout=30.0)
+                    loss_fn=zoo.gpt_loss(),
+                    distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel),
+                    timeout=30.0)
         torch.manual_seed(SEED)
         pipe.step(x, y)
         found.append(full_grads(trained))
@@ -158,15 +163,17 @@ def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int
     micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, 2))
     x, y = replica_batch(mesh)
     pipe = Pipe(mesh_gpt(), CHUNKS, balance=BALANCES[2], schedule="1f1b",
                 checkpoint="never" if reshard_after_forward else "always",
-                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel="fsdp",
-                reshard_after_forward=reshard_after_forward, timeout=30.0)
+                loss_fn=zoo.gpt_loss(),
+                distributed=Distributed.from_mesh(
+                    mesh, data_parallel="fsdp", reshard_after_forward=reshard_after_forward),
+                timeout=30.0)
     pipe.step(x, y)
     with profile(activities=[ProfilerActivity.CPU]) as profiled:
         pipe.step(x, y)
@@ -183,7 +190,7 @@ def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int
 def state_bytes(rank: int, world: int) -> dict[str, int]:
     """Bytes of parameters, gradients and Adam state a rank holds after a step of a one-stage
     pipeline over 4 replicas, replicated and under FSDP."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of((1, 4))
@@ -193,8 +200,8 @@ def state_bytes(rank: int, world: int) -> dict[str, int]:
     x = torch.randn(8, 32, dtype=torch.float64)
     held = {}
     for data_parallel in ("replicate", "fsdp"):
-        pipe = Pipe(copy.deepcopy(model), 2, loss_fn=nn.MSELoss(), mesh=mesh,
-                    data_parallel=data_parallel)
+        pipe = Pipe(copy.deepcopy(model), 2, loss_fn=nn.MSELoss(),
+                    distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel))
         optimizer = torch.optim.Adam(pipe.parameters(), lr=0.01)
         pipe.step(x, x)
         optimizer.step()
@@ -222,7 +229,7 @@ def habits(rank: int, world: int, shape: Sequence[int] = (2, 2)) -> dict[str, fl
       ``gathered_after`` counts the parameters still gathered afterwards (none).
     - ``held``: the share of its stage's parameter elements this rank holds.
     """
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
@@ -235,8 +242,10 @@ def habits(rank: int, world: int, shape: Sequence[int] = (2, 2)) -> dict[str, fl
     norm = float(nn.utils.clip_grad_norm_(plain.parameters(), 0.5))
     clipped = zoo.per_layer_grads(plain)
 
-    pipe = Pipe(model, CHUNKS, balance=BALANCES[shape[0]], loss_fn=zoo.gpt_loss(), mesh=mesh,
-                data_parallel="fsdp", tensor_parallel=plan_for(shape), timeout=30.0)
+    pipe = Pipe(model, CHUNKS, balance=BALANCES[shape[0]], loss_fn=zoo.gpt_loss(),
+                distributed=Distributed.from_mesh(mesh, data_parallel="fsdp",
+                                                  tensor_parallel=plan_for(shape)),
+                timeout=30.0)
     coordinate = mesh.get_local_rank("dp")
     for x, y in batches:
         pipe.step(x[coordinate * zoo.GPT_ROWS:(coordinate + 1) * zoo.GPT_ROWS],
@@ -266,7 +275,7 @@ def habits(rank: int, world: int, shape: Sequence[int] = (2, 2)) -> dict[str, fl
 
 def refusals(rank: int, world: int) -> list[str]:
     """What the Pipe says to mesh options it cannot honour."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     said = []
     for shape, options in (((2, 2), {"data_parallel": "zero"}),
@@ -274,7 +283,8 @@ def refusals(rank: int, world: int) -> list[str]:
                            ((2, 1, 2), {}),
                            ((2, 2), {"tensor_parallel": tensor_parallel_plan})):
         try:
-            Pipe(mesh_gpt(), CHUNKS, loss_fn=zoo.gpt_loss(), mesh=mesh_of(shape), **options)
+            Pipe(mesh_gpt(), CHUNKS, loss_fn=zoo.gpt_loss(),
+                 distributed=Distributed.from_mesh(mesh_of(shape), **options))
             said.append("accepted")
         except ValueError as error:
             said.append(str(error))
@@ -333,12 +343,12 @@ def train_mesh_pipe(pipe: Any, optimizer: torch.optim.Optimizer, mesh: DeviceMes
 def sharded_save(rank: int, world: int, directory: str) -> tuple[int, int]:
     """Train the GPT 3 steps on (pp, dp) = (2, 2) under FSDP with Adam and save; how many
     parameters this rank holds sharded, of how many."""
-    from pipeline import Pipe, save_checkpoint
+    from pipeline import Distributed, Pipe, save_checkpoint
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, REPLICAS_THAT_SAVE))
     pipe = Pipe(mesh_gpt(), CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
-                mesh=mesh, data_parallel="fsdp", timeout=30.0)
+                distributed=Distributed.from_mesh(mesh, data_parallel="fsdp"), timeout=30.0)
     optimizer = adam(pipe.parameters())
     train_mesh_pipe(pipe, optimizer, mesh, range(STEPS_BEFORE_SAVE))
     save_checkpoint(pipe, optimizer, directory, STEPS_BEFORE_SAVE)
@@ -357,13 +367,15 @@ def sharded_resume(directory: str, shape: Sequence[int], data_parallel: str
                    ) -> tuple[int, float, int]:
     """Load the checkpoint on ``shape``, train 3 more steps: the saved step, the largest
     difference from 6 uninterrupted plain steps, and the parameters compared."""
-    from pipeline import Pipe, load_checkpoint
+    from pipeline import Distributed, Pipe, load_checkpoint
 
     torch.set_num_threads(1)
     mesh = mesh_of(shape)
     pipe = Pipe(mesh_gpt(seed=99), CHUNKS, balance=BALANCES[shape[0]],
-                loss_fn=zoo.gpt_loss(), mesh=mesh, data_parallel=data_parallel,
-                tensor_parallel=plan_for(shape), timeout=30.0)
+                loss_fn=zoo.gpt_loss(),
+                distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel,
+                                                  tensor_parallel=plan_for(shape)),
+                timeout=30.0)
     optimizer = adam(pipe.parameters())
     step = load_checkpoint(pipe, optimizer, directory)
     train_mesh_pipe(pipe, optimizer, mesh, range(step, step + STEPS_AFTER_LOAD))
@@ -377,7 +389,7 @@ def groups_fsdp(rank: int, world: int) -> tuple[float, float, int]:
     """FSDP with the groups of ``make_groups`` (no mesh given to the Pipe): the GPT's loss and
     gradient errors against the unpipelined model on the union batch, and the parameters
     this rank holds sharded."""
-    from pipeline import Pipe, make_groups
+    from pipeline import Distributed, Pipe, make_groups
 
     torch.set_num_threads(1)
     pipeline_group, data_group = make_groups(pipeline_size=2, data_parallel_size=2)
@@ -387,7 +399,9 @@ def groups_fsdp(rank: int, world: int) -> tuple[float, float, int]:
     model = mesh_gpt()
     expected_loss, expected = zoo.reference_grads(model, x, y, zoo.gpt_loss())
     pipe = Pipe(model, CHUNKS, balance=BALANCES[2], loss_fn=zoo.gpt_loss(),
-                group=pipeline_group, data_group=data_group, data_parallel="fsdp", timeout=30.0)
+                distributed=Distributed(pipeline_group, data_group=data_group,
+                                        data_parallel="fsdp"),
+                timeout=30.0)
     part = slice(replica * rows, (replica + 1) * rows)
     loss = float(pipe.step(x[part], y[part]))
     error = worst(full_grads(model), expected)
@@ -424,7 +438,7 @@ def shared_block_model() -> nn.Sequential:
 def shared_blocks(rank: int, world: int, schedules: Sequence[str]) -> list[float]:
     """Per schedule, the largest gradient difference from the plain model on the union
     batch, for ``shared_block_model`` under FSDP on (pp, dp) = (2, 2)."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, 2))
@@ -435,8 +449,8 @@ def shared_blocks(rank: int, world: int, schedules: Sequence[str]) -> list[float
     for schedule in schedules:
         model = shared_block_model()
         pipe = Pipe(model, CHUNKS, balance=[3, 3] if schedule != "zb-v" else [2, 1, 1, 2],
-                    schedule=schedule, loss_fn=nn.MSELoss(), mesh=mesh, data_parallel="fsdp",
-                    timeout=30.0)
+                    schedule=schedule, loss_fn=nn.MSELoss(),
+                    distributed=Distributed.from_mesh(mesh, data_parallel="fsdp"), timeout=30.0)
         pipe.step(x[part], y[part])
         grads = {key: g for key, g in full_grads(model).items() if not key.startswith("0.")}
         frozen = [p.grad for p in model[0].parameters() if not p.is_meta]
@@ -452,7 +466,7 @@ def sharded_crossing(rank: int, world: int, schedules: Sequence[str]) -> list[fl
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, 1, 2))
@@ -474,7 +488,8 @@ def sharded_crossing(rank: int, world: int, schedules: Sequence[str]) -> list[fl
     for schedule in schedules:
         model = build()
         pipe = Pipe(model, CHUNKS, balance=[3, 3], schedule=schedule, loss_fn=nn.MSELoss(),
-                    mesh=mesh, tensor_parallel=plan, timeout=30.0)
+                    distributed=Distributed.from_mesh(mesh, tensor_parallel=plan),
+                    timeout=30.0)
         pipe.step(x, y)
         found.append(worst(full_grads(model), expected))
         pipe.close()
@@ -485,16 +500,16 @@ def auto_plan(rank: int, world: int) -> tuple[tuple[Any, ...], float, float]:
     """``chunks="auto", schedule="auto"`` with FSDP on (pp, dp) = (2, 2), the sample on rank 0
     only: the plan every rank runs (schedule, micro-batches, balance, checkpoint), and its
     loss and gradient errors against the plain model on the union batch."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe, Sample
 
     torch.set_num_threads(1)
     mesh = mesh_of((2, 2))
     x, y = replica_batch(mesh)
     model = mesh_gpt()
     expected_loss, expected = zoo.reference_grads(model, *union_batch(mesh), zoo.gpt_loss())
-    pipe = Pipe(model, "auto", schedule="auto", loss_fn=zoo.gpt_loss(), mesh=mesh,
-                data_parallel="fsdp", sample=x if rank == 0 else None,
-                sample_target=y if rank == 0 else None, timeout=60.0)
+    pipe = Pipe(model, "auto", schedule="auto", loss_fn=zoo.gpt_loss(),
+                distributed=Distributed.from_mesh(mesh, data_parallel="fsdp"),
+                sample=Sample(x, y) if rank == 0 else None, timeout=60.0)
     plan = pipe.plan
     picked = (plan.schedule, plan.microbatches, tuple(plan.balance), plan.checkpoint)
     loss = float(pipe.step(x, y))

@@ -1,4 +1,4 @@
-"""Functions that run inside spawned gloo ranks for tests/pipeline/test_predict_sharded.py.
+"""Functions spawned gloo ranks run for tests/pipeline/predict/test_predict_sharded.py.
 
 Each builds Pipes over a device mesh (pipeline stages along ``"pp"``, replicas along
 ``"dp"``), trains a step with Adam, predicts the next one and returns plain numbers:
@@ -33,7 +33,7 @@ def _model() -> nn.Sequential:
 def _pipe(mesh: DeviceMesh, mode: str) -> Any:
     """``mode``: ``alone`` (no replicas: each pp group its own pipeline), ``replicate``,
     ``fsdp`` or ``fsdp-reshard`` (``reshard_after_forward=True``)."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     stages = mesh["pp"].size()
     balance = [len(_model()) // stages] * stages
@@ -41,8 +41,9 @@ def _pipe(mesh: DeviceMesh, mode: str) -> Any:
                               "checkpoint": "never", "loss_fn": nn.MSELoss(), "timeout": 30.0}
     if mode == "alone":
         return Pipe(_model(), CHUNKS, group=mesh["pp"].get_group(), **common)
-    return Pipe(_model(), CHUNKS, mesh=mesh, data_parallel=mode.removesuffix("-reshard"),
-                reshard_after_forward=mode.endswith("-reshard"), **common)
+    layout = Distributed.from_mesh(mesh, data_parallel=mode.removesuffix("-reshard"),
+                                   reshard_after_forward=mode.endswith("-reshard"))
+    return Pipe(_model(), CHUNKS, distributed=layout, **common)
 
 
 def held_bytes(pipe: Any, optimizer: torch.optim.Optimizer) -> int:

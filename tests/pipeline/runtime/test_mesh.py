@@ -135,7 +135,7 @@ def test_mesh_options_it_cannot_honour_are_refused_by_name(
 
 
 def test_fsdp_over_the_groups_of_make_groups(two_by_two: list[dict[str, Any]]) -> None:
-    """group= and data_group= instead of a mesh: sharded and exact too."""
+    """Distributed(group, data_group=...) instead of a mesh: sharded and exact too."""
     for found in two_by_two:
         loss_error, grad_error, sharded = found["groups"]
         assert loss_error < EXACT and grad_error < EXACT and sharded > 0

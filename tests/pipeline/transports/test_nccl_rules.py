@@ -1,10 +1,10 @@
 """The real distributed runtime under NCCL's rules, on gloo: every schedule, exact, no hang.
 
-``Pipe(..., transport="ordered")`` executes the comm plan the way it runs under
-NCCL (tags ignored, one communicator per channel, messages matched in posting
-order) and, on gloo, waits for every send to be received before moving past its
-group: the worst case NCCL allows. A plan or a runtime that could hang on a GPU
-cluster hangs here, and the timeout turns that into a failure.
+``Pipe(..., distributed=Distributed(group, transport="ordered"))`` executes the comm
+plan the way it runs under NCCL (tags ignored, one communicator per channel, messages
+matched in posting order) and, on gloo, waits for every send to be received before
+moving past its group: the worst case NCCL allows. A plan or a runtime that could hang
+on a GPU cluster hangs here, and the timeout turns that into a failure.
 """
 
 from __future__ import annotations
