@@ -419,7 +419,7 @@ def test_on_two_ranks_nothing_a_peer_sends_runs_code(two_ranks: list[list[Any]])
         found = ranks[3]
         kind, message = found["object"]
         assert kind == "TypeError" and "rank 1 could not send its part of planning the save: " \
-            "value['value']['extra'] is a checkpoint_trust_workers.Evil, which cannot cross" \
+            "value['value']['extra'] is a hostile.Evil, which cannot cross" \
             in message, message
         kind, message = found["path"]
         assert kind == "CheckpointError" and "rank 1's write results[0].storage.file: expected " \

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import structured_model
+from models import structured_model, tied_head
 
 from pipeline import Pipe
 from schedules import Action, Op, Schedule, ScheduleError, one_f_one_b
@@ -180,10 +180,7 @@ def test_deferred_batch_norm_updates_once_per_step_over_the_whole_batch(
 
 def _tied_model() -> nn.Sequential:
     torch.manual_seed(0)
-    embedding = nn.Embedding(11, 8)
-    head = nn.Linear(8, 11, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), head).double()
+    return tied_head(8)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-h2", "zb-v"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import math
-import pickle
 import time
 import types
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_ranks
+from hostile import Evil, hostile_pickles
 from partitioners import LayerCost
 from partitioners.plan.search import Candidate, Plan, plan
 from partitioners.plan.costs import linear_costs
@@ -276,15 +276,6 @@ def _same(a: Any, b: Any) -> bool:
 # -- what the sender refuses ------------------------------------------------------------------
 
 
-class Evil:
-    """An object whose unpickling would create ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> Any:
-        return (open, (str(self.path), "w"))
-
 
 @dataclass(frozen=True)
 class Plan2:  # a dataclass of this test's: not the library's, so it may not cross
@@ -317,7 +308,7 @@ def test_values_that_may_not_cross_are_refused_at_the_sender_naming_type_and_pat
 
 def test_a_value_whose_reduce_would_create_a_file_is_refused_at_the_sender(tmp_path: Path) -> None:
     target = tmp_path / "created"
-    with pytest.raises(TypeError, match=r"value\[0\] is a test_no_pickle\.Evil"):
+    with pytest.raises(TypeError, match=r"value\[0\] is a hostile\.Evil"):
         encode([Evil(target)])
     assert not target.exists()
 
@@ -347,15 +338,11 @@ def _doc(value: Any, tensors: Any = ()) -> dict[str, Any]:
 
 
 def test_a_pickle_that_would_create_a_file_is_rejected_by_the_receiver(tmp_path: Path) -> None:
-    proof = tmp_path / "proof"
-    pickle.loads(pickle.dumps(Evil(proof)))  # the gadget works where pickle is trusted...
-    assert proof.exists()
-    target = tmp_path / "created"
-    for hostile in (pickle.dumps(Evil(target)), pickle.dumps(Evil(target), protocol=0),
-                    pickle.dumps([Evil(target)] * 100, protocol=0)):
+    target, pickles = hostile_pickles(tmp_path, lambda evil: [evil] * 100)
+    for pickled in pickles:
         with pytest.raises(StructureError, match="expected"):
-            decode(hostile)
-        framed = len(hostile).to_bytes(8, "little") + hostile
+            decode(pickled)
+        framed = len(pickled).to_bytes(8, "little") + pickled
         with pytest.raises(StructureError, match="expected a shared value in JSON"):
             decode(framed)
     assert not target.exists()

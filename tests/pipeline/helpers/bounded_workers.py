@@ -1,13 +1,14 @@
-"""Rank functions for tests/pipeline/test_bounded.py (importable by name)."""
+"""Rank functions for tests/pipeline/group/test_bounded.py (importable by name)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dist_harness import outcome
 
 # Rank 0's four calls take about 4.2 timeouts; rank 1 stays silent well past them, and past
 # 10 s from the second call's start, so that a call hanging until rank 1 wakes still fails the
@@ -41,15 +42,7 @@ def silent_during_every_call(rank: int, world: int) -> list[tuple[str, str, floa
         "predict": lambda: pipes[2].predict(x, None),
         "close": lambda: pipes[3].close(),
     }
-    outcomes = []
-    for name, call in calls.items():
-        started = time.monotonic()
-        try:
-            call()
-            outcome = "returned"
-        except Exception as error:  # noqa: BLE001 - what the test inspects
-            outcome = f"{type(error).__name__}: {str(error)[:200]}"
-        outcomes.append((name, outcome, time.monotonic() - started))
+    outcomes = [(name, *outcome(call, limit=200)) for name, call in calls.items()]
     started = time.monotonic()
     save_state_dict({"weight": torch.zeros(3)}, f"/tmp/pipesched-bounded-{rank}.pt")
     outcomes.append(("save_state_dict", "returned", time.monotonic() - started))
@@ -86,25 +79,17 @@ def dropped_pipes(rank: int, world: int, count: int) -> tuple[int, int]:
 def lone_validation(rank: int, world: int, transport: str) -> list[tuple[str, str, float]]:
     """Rank 0 runs pipe(x_val) alone, then both ranks step. Per call: (call, outcome, seconds);
     last, whether every gradient is still None."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     x = torch.randn(8, 6, dtype=torch.float64)
     y = torch.randn(8, 6, dtype=torch.float64)
     pipe = Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
-                group=dist.group.WORLD, transport=transport)
+                distributed=Distributed(dist.group.WORLD, transport=transport))
     calls = {"step": lambda: pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)}
     if rank == 0:
         calls = {"pipe(x)": lambda: pipe(x), **calls}
-    outcomes = []
-    for name, call in calls.items():
-        started = time.monotonic()
-        try:
-            call()
-            outcome = "finished"
-        except Exception as error:  # noqa: BLE001 - what the test inspects
-            outcome = f"{type(error).__name__}: {error}"
-        outcomes.append((name, outcome, time.monotonic() - started))
+    outcomes = [(name, *outcome(call)) for name, call in calls.items()]
     untouched = all(p.grad is None for p in pipe.parameters())
     dist.barrier(dist.new_group(list(range(world))))  # neither leaves while the other waits
     return [*outcomes, ("gradients untouched", str(untouched), 0.0)]
@@ -132,7 +117,7 @@ def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing
     rank's step: (outcome, seconds, whether every gradient is still None)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -141,16 +126,11 @@ def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing
     layers.insert(1 if stage == 0 else 3, FailsOn(failing, how))
     model = nn.Sequential(*layers).double()
     pipe = Pipe(model, 2, balance=[2, 3], schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
-                mesh=mesh, data_parallel=data_parallel)
+                distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel))
     x = torch.randn(4, 6, dtype=torch.float64)
     started = time.monotonic()
-    try:
-        pipe.step(x, x)
-        outcome = "returned"
-    except Exception as error:  # noqa: BLE001 - what the test inspects
-        outcome = f"{type(error).__name__}: {str(error)[:300]}"
-    seconds = time.monotonic() - started
+    said, seconds = outcome(lambda: pipe.step(x, x), limit=300)
     # No rank leaves before the bar has passed: a rank waiting for a failed one until its
     # process ends would otherwise be freed early, by a raw gloo error.
     time.sleep(max(0.0, started + HELD - time.monotonic()))
-    return outcome, seconds, all(p.grad is None for p in pipe.parameters())
+    return said, seconds, all(p.grad is None for p in pipe.parameters())

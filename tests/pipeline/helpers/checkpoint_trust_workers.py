@@ -14,6 +14,7 @@ from torch import nn
 
 from checkpoint_workers import CHUNKS, named_parameters, portable
 from dist_workers import batch, deep_mlp
+from hostile import Evil
 
 FRESH_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
     "adam": lambda parameters: torch.optim.Adam(parameters, lr=0.01),
@@ -23,15 +24,6 @@ SAVES = ("never", "before the first step", "with gradients, before optimizer.ste
 STEPS = 3
 STALL = 12.0  # seconds a stalled or silent peer waits: past the 10 s bound
 
-
-class Evil:
-    """An object whose unpickling would create ``path``."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> Any:
-        return (open, (self.path, "w"))
 
 
 def tied_mlp(tied: bool = True) -> nn.Sequential:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.group.launch import free_port, run_ranks, run_ranks_raw
 
-__all__ = ["free_port", "in_turn", "run_ranks", "run_ranks_raw"]
+__all__ = ["free_port", "in_turn", "outcome", "run_ranks", "run_ranks_raw"]
 
 
 def in_turn(rank: int, world: int,
@@ -18,3 +19,15 @@ def in_turn(rank: int, world: int,
     the calls share the group, so each must leave it usable for the next (a call that
     breaks a pipeline on purpose goes last)."""
     return [function(rank, world, *args) for function, args in calls]
+
+
+def outcome(call: Callable[[], Any], limit: int | None = None) -> tuple[str, float]:
+    """Run ``call`` on this rank: ``"returned"``, or the error it raised as ``"Type: message"``
+    (the message cut at ``limit`` characters), and the seconds it took."""
+    started = time.monotonic()
+    try:
+        call()
+        said = "returned"
+    except Exception as error:  # noqa: BLE001 - what the tests inspect
+        said = f"{type(error).__name__}: {str(error)[:limit]}"
+    return said, time.monotonic() - started

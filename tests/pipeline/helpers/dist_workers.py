@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models import tied_head
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v")
 MODES = ("always", "except_last", "never")
 
@@ -54,7 +56,7 @@ def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts:
                 transport: str = "auto", modes: tuple[str, ...] = MODES,
                 timeout: float = 60.0) -> list[tuple[Any, ...]]:
     """Every (schedule, mode, chunks): loss and local-gradient errors against the plain model."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     x, y = batch()
     reference_loss, reference = reference_grads(x, y)
@@ -64,7 +66,8 @@ def equivalence(rank: int, world: int, schedules: tuple[str, ...], chunk_counts:
             for chunks in chunk_counts:
                 model = deep_mlp()
                 pipe = Pipe(model, chunks=chunks, schedule=schedule, checkpoint=mode,
-                            loss_fn=nn.MSELoss(), group=dist.group.WORLD, transport=transport,
+                            loss_fn=nn.MSELoss(),
+                            distributed=Distributed(dist.group.WORLD, transport=transport),
                             timeout=timeout)
                 first = pipe.schedule.placement[0] == rank
                 last = pipe.schedule.placement[-1] == rank
@@ -309,7 +312,7 @@ def variable_lengths(rank: int, world: int) -> Any:
 
 def meta_init(rank: int, world: int) -> Any:
     """A model built on the meta device: only this rank's layers are materialised."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     def init(layer: nn.Module) -> None:
         for name, parameter in layer.named_parameters():
@@ -319,7 +322,8 @@ def meta_init(rank: int, world: int) -> Any:
 
     with torch.device("meta"):
         model = deep_mlp()
-    pipe = Pipe(model, chunks=2, loss_fn=nn.MSELoss(), group=dist.group.WORLD, init_fn=init)
+    pipe = Pipe(model, chunks=2, loss_fn=nn.MSELoss(),
+                distributed=Distributed(dist.group.WORLD, init_fn=init))
     x, y = batch()
     pipe.step(x, y)
     materialised = sorted({name.split(".")[0] for name, p in model.named_parameters() if not p.is_meta})
@@ -356,12 +360,12 @@ def repeated_steps(rank: int, world: int, schedules: tuple[str, ...]) -> list[tu
 def naive_plan_under_nccl_rules(rank: int, world: int) -> Any:
     """The posting order the runtime used before comm plans: it must hang under NCCL's rules
     (and the timeout must turn the hang into a PeerError on every rank)."""
-    from pipeline import PeerError, Pipe
+    from pipeline import Distributed, PeerError, Pipe
     from pipeline.runtime.runner import Plans
 
     x, y = batch()
     pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),
-                group=dist.group.WORLD, transport="ordered", timeout=3.0)
+                distributed=Distributed(dist.group.WORLD, transport="ordered"), timeout=3.0)
     runner = pipe._runner
     runner.plans = Plans(pipe.schedule, "naive")
     runner.training_plan = runner.plans.stage(rank, infer=False)
@@ -443,7 +447,7 @@ def structured_payloads(rank: int, world: int, transport: str) -> Any:
     """Dicts, lists, None, ints, bool and int tensors, complex tensors across ranks; x.grad."""
     from models import structured_model
 
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
 
     torch.manual_seed(0)
     model = structured_model()
@@ -457,7 +461,7 @@ def structured_payloads(rank: int, world: int, transport: str) -> Any:
     x.requires_grad_()
     balance = [1, 2, 2, 1] if world == 4 else [1, 5]
     pipe = Pipe(model, chunks=4, balance=balance, schedule="1f1b", loss_fn=nn.MSELoss(),
-                group=dist.group.WORLD, transport=transport)
+                distributed=Distributed(dist.group.WORLD, transport=transport))
     loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
     expected = {name: p.grad for name, p in reference.named_parameters()}
     error, compared = grad_error(model, expected)
@@ -468,16 +472,13 @@ def structured_payloads(rank: int, world: int, transport: str) -> Any:
 
 def tied_model() -> nn.Sequential:
     torch.manual_seed(0)
-    embedding = nn.Embedding(11, 6)
-    head = nn.Linear(6, 11, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), head).double()
+    return tied_head(6)
 
 
 def tied_weights(rank: int, world: int) -> Any:
     """A head tied to the embedding on another rank: full gradient on both, clipping and the
     gathered state count it once, and the state loads into the plain model."""
-    from pipeline import Pipe, gather_state_dict
+    from pipeline import Pipe, SummedLoss, gather_state_dict
 
     def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), ignore_index=-100)
@@ -494,8 +495,9 @@ def tied_weights(rank: int, world: int) -> Any:
                                            reduction="sum")
 
     model = tied_model()
-    pipe = Pipe(model, chunks=4, balance=[2, 3], schedule="zb-h1", loss_fn=summed,
-                loss_count=lambda target: (target != -100).sum(), group=dist.group.WORLD)
+    pipe = Pipe(model, chunks=4, balance=[2, 3], schedule="zb-h1",
+                loss_fn=SummedLoss(summed, count=lambda target: (target != -100).sum()),
+                group=dist.group.WORLD)
     pipe.step(tokens if rank == 0 else None, targets if rank == 1 else None)
     tied = model[0].weight if rank == 0 else model[4].weight
     norm = pipe.clip_grad_norm_(0.1).item()

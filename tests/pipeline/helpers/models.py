@@ -177,6 +177,15 @@ class FromComplex(nn.Module):
         return (z * z.conj().roll(1, -1)).real + z.abs()
 
 
+def tied_head(width: int) -> nn.Sequential:
+    """Embedding(11, width), Linear, Tanh, Linear, and a bias-free head whose weight is the
+    embedding's: a tie across the ends of the pipeline; tokens in 0..10."""
+    embedding, head = nn.Embedding(11, width), nn.Linear(width, 11, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width),
+                         head).to(DTYPE)
+
+
 def structured_model() -> nn.Sequential:
     """Stages that pass a dict of a list of tensors, a bool mask, an int tensor, an int and
     None, then complex tensors: 6 layers, input FEATURES wide, output 2 wide."""

@@ -1,4 +1,4 @@
-"""Functions that run inside spawned gloo ranks for tests/pipeline/test_predict.py."""
+"""Functions that run inside spawned gloo ranks for tests/pipeline/predict/test_predict.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
-"""Rank functions for tests/pipeline/test_shared_modules.py (importable by name)."""
+"""Rank functions for tests/pipeline/compute/test_shared_modules.py (importable by name)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,60 +68,42 @@ def shared_block_across_ranks(rank: int, world: int, schedule: str) -> tuple[flo
     return float(abs(loss - expected_loss)), max(errors), changed
 
 
-def tie_breaking_state(rank: int, world: int) -> str:
-    """Load a state whose head differs from its embedding into the tied model: the error."""
+def _loaded_on_two_ranks(model: nn.Sequential, balance: list[int],
+                         state: Callable[[Any], dict[str, torch.Tensor]]) -> str:
+    """A 1F1B Pipe of ``model`` over both ranks loads ``state(pipe)`` strictly: "loaded", or
+    the ValueError's message."""
     from pipeline import Pipe
 
     torch.set_num_threads(1)
-    model = tied()
     pipe = Pipe(model, 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD,
-                balance=[2, 2])
-    state = copy.deepcopy(tied().state_dict())
-    state["3.weight"] = state["3.weight"] + 1.0
+                balance=balance)
     try:
-        pipe.load_state_dict(state)
+        pipe.load_state_dict(state(pipe))
     except ValueError as error:
         return str(error)
     return "loaded"
+
+
+def tie_breaking_state(rank: int, world: int) -> str:
+    """Load a state whose head differs from its embedding into the tied model: the error."""
+    state = copy.deepcopy(tied().state_dict())
+    state["3.weight"] = state["3.weight"] + 1.0
+    return _loaded_on_two_ranks(tied(), [2, 2], lambda pipe: state)
 
 
 def missing_key_everywhere(rank: int, world: int) -> str:
     """Load the whole model's state without one of rank 1's keys, strict: every rank raises."""
-    from pipeline import Pipe
-
-    torch.set_num_threads(1)
-    pipe = Pipe(mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD,
-                balance=[2, 1])
     state = dict(mlp().state_dict())
     del state["2.bias"]  # rank 1's
-    try:
-        pipe.load_state_dict(state)
-    except ValueError as error:
-        return str(error)
-    return "loaded"
+    return _loaded_on_two_ranks(mlp(), [2, 1], lambda pipe: state)
 
 
 def own_state_roundtrip(rank: int, world: int) -> str:
     """Each rank saves pipe.state_dict() (its layers) and loads it back, strict."""
-    from pipeline import Pipe
-
-    torch.set_num_threads(1)
-    pipe = Pipe(mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD,
-                balance=[2, 1])
-    pipe.load_state_dict(pipe.state_dict())
-    return "loaded"
+    return _loaded_on_two_ranks(mlp(), [2, 1], lambda pipe: pipe.state_dict())
 
 
 def unknown_key_everywhere(rank: int, world: int) -> str:
     """Load the whole model's state plus an unknown key, strict: every rank raises."""
-    from pipeline import Pipe
-
-    torch.set_num_threads(1)
-    pipe = Pipe(mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), group=dist.group.WORLD,
-                balance=[2, 1])
     state = {**mlp().state_dict(), "2.scale": torch.ones(1)}
-    try:
-        pipe.load_state_dict(state)
-    except ValueError as error:
-        return str(error)
-    return "loaded"
+    return _loaded_on_two_ranks(mlp(), [2, 1], lambda pipe: state)

@@ -209,14 +209,12 @@ def hook_calls(model: nn.Module) -> list[int]:
             and not any(p.is_meta for p in module.parameters()) for count in module.calls]
 
 
-def _hooked_outputs_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), HookedOutputs(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                         HookedOutputs(), nn.Linear(WIDTH, 3))
-
-
-def _hooked_norms_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Norms(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                         Norms(), nn.Linear(WIDTH, 3))
+def _around(layer: Callable[[], nn.Module],
+            between: Callable[[], nn.Module] = nn.Tanh) -> Callable[[], nn.Sequential]:
+    """A factory of Linear, ``layer``, ``between``, Linear, ``layer``, head: the layer under
+    test in both halves of the cut."""
+    return lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), layer(), between(),
+                                 nn.Linear(WIDTH, WIDTH), layer(), nn.Linear(WIDTH, 3))
 
 
 def _repeat_model(kind: type[Repeat]) -> nn.Sequential:
@@ -243,25 +241,6 @@ def _tied_head_model() -> nn.Sequential:
                          TiedEmbedding(head), nn.Linear(WIDTH, WIDTH), head)
 
 
-def _twice_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Twice(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                         Twice(), nn.Linear(WIDTH, 3))
-
-
-def _reentrant_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Reentrant(), Reentrant(), nn.Linear(WIDTH, WIDTH),
-                         Reentrant(), nn.Linear(WIDTH, 3))
-
-
-def _attention_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), SelfAttention(), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                         SelfAttention(), nn.Linear(WIDTH, 3))
-
-
-def _convolution_model() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH), Convolution(), Convolution(), nn.Linear(WIDTH, WIDTH),
-                         Convolution(), nn.Linear(WIDTH, 3))
-
 
 def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
@@ -285,13 +264,15 @@ CASES = {
     "weight tied in a chunk": Case(_tied_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
     "one block at three positions": Case(_shared_block_model, nn.CrossEntropyLoss, (3, 3), (3, 1, 1, 1)),
     "loss with a parameter": Case(_mlp, TemperatureLoss, (3, 3), (3, 1, 1, 1)),
-    "reentrant checkpoint": Case(_reentrant_model, nn.CrossEntropyLoss, (3, 3), (2, 2, 1, 1)),
-    "hooked outputs": Case(_hooked_outputs_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "reentrant checkpoint": Case(_around(Reentrant, Reentrant), nn.CrossEntropyLoss, (3, 3),
+                                 (2, 2, 1, 1)),
+    "hooked outputs": Case(_around(HookedOutputs), nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
     "tied head in a chunk": Case(_tied_head_model, nn.CrossEntropyLoss, (4, 3), (2, 1, 1, 3)),
-    "a Linear called twice": Case(_twice_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
-    "self-attention": Case(_attention_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
-    "convolutions": Case(_convolution_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
-    "hooked norm parameters": Case(_hooked_norms_model, nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1),
+    "a Linear called twice": Case(_around(Twice), nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "self-attention": Case(_around(SelfAttention), nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1)),
+    "convolutions": Case(_around(Convolution, Convolution), nn.CrossEntropyLoss, (3, 3),
+                         (2, 1, 2, 1)),
+    "hooked norm parameters": Case(_around(Norms), nn.CrossEntropyLoss, (3, 3), (2, 1, 2, 1),
                                    hooks=hook_norms),
 }
 

@@ -1,4 +1,4 @@
-"""Models and rank functions for tests/pipeline/test_step_state.py (importable by name)."""
+"""Models and rank functions for tests/pipeline/runtime/test_step_state.py (by name)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from models import tied_head
 
 WIDTH, ROWS, CHUNKS = 6, 16, 8
 
@@ -35,10 +37,7 @@ def faulty_model() -> nn.Sequential:
 
 def tied_model() -> nn.Sequential:
     torch.manual_seed(0)
-    embedding, head = nn.Embedding(11, WIDTH), nn.Linear(WIDTH, 11, bias=False)
-    head.weight = embedding.weight
-    return nn.Sequential(embedding, nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
-                         head).double()
+    return tied_head(WIDTH)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,12 @@
-"""Rank functions for tests/pipeline/test_wire.py (importable by name)."""
+"""Rank functions for tests/pipeline/transports/test_wire.py (importable by name)."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dist_harness import outcome
 
 
 def understated_header(rank: int, world: int, transport: str) -> tuple[str, float]:
@@ -14,7 +14,7 @@ def understated_header(rank: int, world: int, transport: str) -> tuple[str, floa
     ``encode_header`` replaced by one that lies), so its messages are larger than they
     announce; both ranks step. This rank's (outcome, seconds); a rank that aborts reports
     nothing."""
-    from pipeline import Pipe
+    from pipeline import Distributed, Pipe
     from pipeline.transports import gloo, ordered
     from pipeline.transports.wire import encode_header
 
@@ -22,7 +22,7 @@ def understated_header(rank: int, world: int, transport: str) -> tuple[str, floa
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
     pipe = Pipe(model, 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=10.0,
-                group=dist.group.WORLD, transport=transport)
+                distributed=Distributed(dist.group.WORLD, transport=transport))
     if rank == 0:
         def understating(metas, kind, stamp=0):  # type: ignore[no-untyped-def]
             (dtype, shape), *rest = metas
@@ -30,12 +30,6 @@ def understated_header(rank: int, world: int, transport: str) -> tuple[str, floa
 
         gloo.encode_header = ordered.encode_header = understating
     x = torch.randn(8, 6, dtype=torch.float64)
-    started = time.monotonic()
-    try:
-        pipe.step(x, x)
-        outcome = "returned"
-    except Exception as error:  # noqa: BLE001 - what the test inspects
-        outcome = f"{type(error).__name__}: {str(error)[:400]}"
-    seconds = time.monotonic() - started
+    said = outcome(lambda: pipe.step(x, x), limit=400)
     dist.barrier(dist.new_group(list(range(world))))  # neither leaves while the other waits
-    return outcome, seconds
+    return said

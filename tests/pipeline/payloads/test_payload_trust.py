@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import sys
 import time
 from collections import OrderedDict
@@ -24,6 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from dist_harness import run_ranks
+from hostile import Evil, hostile_pickles
 from pipeline import Pipe
 from pipeline.payloads.checked_json import MAX_DEPTH, StructureError
 from pipeline.payloads.structure import MAX_STRUCTURE_BYTES, decode_structure
@@ -65,15 +65,6 @@ class Box:
 pytree.register_pytree_node(Box, lambda box: ([box.value], len),
                             lambda values, _: Box(*values))
 
-
-class Evil:
-    """A leaf whose unpickling would create ``path``."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> Any:
-        return (open, (str(self.path), "w"))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -132,7 +123,7 @@ def test_a_namedtuple_of_tensors_is_not_sent_as_a_plain_tuple() -> None:
 
 def test_a_leaf_whose_reduce_would_create_a_file_is_refused_at_the_sender(tmp_path: Path) -> None:
     target = tmp_path / "created"
-    with pytest.raises(TypeError, match=r"output\[1\]\['mask'\] is a test_payload_trust\.Evil, "
+    with pytest.raises(TypeError, match=r"output\[1\]\['mask'\] is a hostile\.Evil, "
                                         r"which cannot cross.*register_pytree_node"):
         to_wire((torch.ones(1), {"mask": Evil(target), "rows": 2}))
     assert not target.exists()
@@ -184,15 +175,11 @@ def _blob(data: bytes | str) -> torch.Tensor:
 
 
 def test_a_pickle_that_would_create_a_file_is_rejected_by_the_receiver(tmp_path: Path) -> None:
-    proof = tmp_path / "proof"
-    pickle.loads(pickle.dumps(Evil(proof)))  # the gadget works where pickle is trusted...
-    assert proof.exists()
-    target = tmp_path / "created"
-    for hostile in (pickle.dumps(Evil(target)), pickle.dumps(Evil(target), protocol=0),
-                    pickle.dumps({"tree": Evil(target)}, protocol=0)):
+    target, pickles = hostile_pickles(tmp_path, lambda evil: {"tree": evil})
+    for pickled in pickles:
         with pytest.raises(StructureError, match="expected a structure in JSON"):
-            from_wire(STRUCTURED, (torch.ones(1), _blob(hostile)))
-    assert not target.exists()  # ...and here runs nothing
+            from_wire(STRUCTURED, (torch.ones(1), _blob(pickled)))
+    assert not target.exists()  # the gadget creates a file where pickle is trusted: here, none
 
 
 def _structure(tree: Any = None, leaves: Any = (1,), **fields: Any) -> str:

@@ -137,35 +137,31 @@ class MeanOverTime(nn.Module):
         return x.mean(dim=1)
 
 
-class Embed(nn.Module):
+class Hidden(nn.Module):
     """(features, labels) -> (hidden, labels): an integer tensor rides along the tuple."""
 
-    def __init__(self) -> None:
+    def __init__(self, features: int = 8, out: int = 8) -> None:
         super().__init__()
-        self.linear = nn.Linear(6, 8)
-        self.table = nn.Embedding(3, 8)
+        self.linear = nn.Linear(features, out)
 
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         x, labels = pair
         return torch.tanh(self.linear(x)), labels
 
 
-class Hidden(nn.Module):
+class Embed(Hidden):
+    """The first layer, holding a table it never uses (a parameter no gradient reaches)."""
+
     def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        h, labels = pair
-        return torch.tanh(self.linear(h)), labels
+        super().__init__(features=6)
+        self.table = nn.Embedding(3, 8)
 
 
-class Gather(nn.Module):
+class Gather(Hidden):
     """Uses the integer labels only at the end: picks one column per row."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 3)
+        super().__init__(out=3)
 
     def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         h, labels = pair
