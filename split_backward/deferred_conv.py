@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from split_backward.records import Record, cast
+from split_backward.records import Record, autocast_product
 
 _CONVOLUTIONS = {1: functional.conv1d, 2: functional.conv2d, 3: functional.conv3d}
 
@@ -71,15 +71,8 @@ class DeferredConvolution(torch.autograd.Function):
         convolution = _CONVOLUTIONS[len(geometry.stride)]
         device = x.device.type
         arguments = (geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            x_used, weight_used = cast(x, dtype), cast(weight, dtype)
-            assert x_used is not None and weight_used is not None
-            with torch.autocast(device, enabled=False):
-                out = convolution(x_used, weight_used, cast(bias, dtype), *arguments)
-        else:
-            x_used, weight_used = x, weight
-            out = convolution(x, weight, bias, *arguments)
+        out, x_used, weight_used = autocast_product(convolution, device, x, weight, bias,
+                                                    *arguments)
         ctx.save_for_backward(x_used, weight_used)
         ctx.parameters, ctx.geometry, ctx.record = parameters, geometry, record
         return out

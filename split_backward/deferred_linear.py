@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
-from split_backward.records import Record, cast
+from split_backward.records import Record, autocast_product
 
 
 @dataclass(slots=True)
@@ -55,15 +55,8 @@ class DeferredLinear(torch.autograd.Function):
         # As rows: W multiplies them as they are (a strided input, attention's sequence-first
         # view, is copied once here, as linear itself would, not again in W).
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            rows_used, weight_used = cast(rows, dtype), cast(weight, dtype)
-            assert rows_used is not None and weight_used is not None
-            with torch.autocast(device, enabled=False):
-                out = functional.linear(rows_used, weight_used, cast(bias, dtype))
-        else:  # the common case: no context manager to enter (microseconds a call)
-            rows_used, weight_used = rows, weight
-            out = functional.linear(rows, weight, bias)
+        out, rows_used, weight_used = autocast_product(functional.linear, device, rows, weight,
+                                                       bias)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], out.shape[-1])
         ctx.save_for_backward(rows_used, weight_used)

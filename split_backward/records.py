@@ -12,6 +12,7 @@ hooks fire once, and it keeps the gradient as ``.grad`` without a copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,22 @@ class Record:               # fields are set through object.__setattr__, a call 
 
 class Records(list[Record]):
     """What the deferred calls of one chunk recorded in their backwards, in order."""
+
+
+def autocast_product(product: Callable[..., torch.Tensor], device: str, operand: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None, *rest: Any
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``product(operand, weight, bias, *rest)`` run as autocast runs it on ``device`` (every
+    operand cast to the autocast dtype), and the operand and weight it multiplied: what W
+    multiplies in turn. Without autocast: as they are, with no context to enter."""
+    if not torch.is_autocast_enabled(device):
+        return product(operand, weight, bias, *rest), operand, weight
+    dtype = torch.get_autocast_dtype(device)
+    operand_used, weight_used = cast(operand, dtype), cast(weight, dtype)
+    assert operand_used is not None and weight_used is not None
+    with torch.autocast(device, enabled=False):
+        return product(operand_used, weight_used, cast(bias, dtype), *rest), operand_used, \
+            weight_used
 
 
 def cast(tensor: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:

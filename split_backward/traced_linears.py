@@ -18,11 +18,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from split_backward.records import Record, cast
+from split_backward.records import Record, autocast_product
 from split_backward.switched_layers import ACTIVE, linear
 
 _ATEN_LINEAR = torch.ops.aten.linear.default
 _ATEN_ADDMM = torch.ops.aten.addmm.default
+
+
+def _bias_plus_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(bias, rows, weight)
 
 
 @dataclass(slots=True)
@@ -42,16 +46,8 @@ class DeferredAddmm(torch.autograd.Function):
                 record: Callable[[Record], None]) -> torch.Tensor:
         weight, bias = parameters
         device = rows.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            rows_used, weight_used, bias_used = cast(rows, dtype), cast(weight, dtype), \
-                cast(bias, dtype)
-            assert rows_used is not None and weight_used is not None and bias_used is not None
-            with torch.autocast(device, enabled=False):
-                out = torch.addmm(bias_used, rows_used, weight_used)
-        else:
-            rows_used, weight_used = rows, weight
-            out = torch.addmm(bias, rows, weight)
+        out, rows_used, weight_used = autocast_product(_bias_plus_product, device, rows, weight,
+                                                       bias)
         ctx.save_for_backward(rows_used, weight_used)
         ctx.parameters = parameters
         ctx.record = record
