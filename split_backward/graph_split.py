@@ -259,20 +259,22 @@ def backward_input(
     root_edges = [get_gradient_edge(root) for root in roots]
     input_edges = [get_gradient_edge(leaf) for leaf in inputs]
     root_nodes = [edge.node for edge in root_edges]
-    split = split_graph(root_nodes, [edge.node for edge in input_edges])
+    # No input to differentiate (a first stage): I runs down to the lowest products
+    # (``split_backward.first_stage``), W does them and what lies below.
+    stop_slots = [] if inputs else stops(root_nodes)
+    split = split_graph(root_nodes, [edge.node for edge in input_edges]
+                        or [node for node, _ in stop_slots])
     if split.reentrant:
-        return whole_backward(roots, grads, inputs), WeightGradients([], [])
-    stop_slots: list[Slot] = []
-    if not any(split.on_chain):
-        # No input to differentiate (a first stage): I runs down to the lowest products
-        # (``split_backward.first_stage``), W does them and what lies below.
+        if inputs:
+            return whole_backward(roots, grads, inputs), WeightGradients([], [])
+        stop_slots = []  # it refuses an engine call that names inputs: W does everything
+        split = split_graph(root_nodes, [])
+    elif not any(split.on_chain) and inputs:  # no path reaches an input
         stop_slots = stops(root_nodes)
         if stop_slots:
-            stopped_split = split_graph(root_nodes, [node for node, _ in stop_slots])
-            if stopped_split.reentrant:  # it refuses an engine call that names inputs
-                stop_slots = []
-            else:
-                split = stopped_split
+            below = split_graph(root_nodes, [node for node, _ in stop_slots])
+            split = split if below.reentrant else below
+            stop_slots = [] if below.reentrant else stop_slots
     seeds = [((edge.node, edge.output_nr), g)
              for edge, g, on_chain in zip(root_edges, grads, split.on_chain) if not on_chain]
     chain = [(root, g) for root, g, on_chain in zip(roots, grads, split.on_chain) if on_chain]

@@ -9,14 +9,22 @@ weights), each against the unpipelined model on the union batch.
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-import zoo
-from examples.gpt import tensor_parallel_plan
-from mesh_workers import (CHUNKS, balance_for, full_grads, mesh_gpt, mesh_of, replica_batch,
-                          union_batch, worst)
+# tests/pipeline's helpers by bare name, as its conftest puts them (a spawned rank starts
+# with this process's sys.path; pytest's doctest collection imports this module alone).
+HELPERS = str(Path(__file__).resolve().parent.parent / "pipeline" / "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
+
+import zoo  # noqa: E402
+from examples.gpt import tensor_parallel_plan  # noqa: E402
+from mesh_workers import (CHUNKS, balance_for, full_grads, mesh_gpt, mesh_of,  # noqa: E402
+                          replica_batch, union_batch, worst)
 
 # name: mesh shape, Distributed.from_mesh options, schedule, Pipe(split_backward=...)
 CASES: dict[str, tuple[tuple[int, ...], dict[str, Any], str, str]] = {

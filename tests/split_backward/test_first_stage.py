@@ -297,3 +297,20 @@ def test_a_traced_product_below_the_stops_still_records_in_i():
         _plain(reference, x)
         for (key, p), q in zip(model.named_parameters(), reference.parameters()):
             assert p.grad is not None and (p.grad - q.grad).abs().max() < TOLERANCE, key
+
+
+def test_an_input_no_path_reaches_is_a_first_stage_too():
+    """An input the outputs do not depend on: its gradient is None, and I still stops at the
+    lowest products."""
+    torch.manual_seed(0)
+    model = _chain()
+    reference = copy.deepcopy(model)
+    x = _rows()
+    unused = torch.randn(3, requires_grad=True)
+    out = model(x)
+    found, weights = backward_input([out], [torch.ones_like(out)], [unused])
+    assert found == (None,) and _hook_calls(model) == [1, 1, 1, 1]
+    weights.run()
+    _plain(reference, x)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max() < TOLERANCE

@@ -9,18 +9,12 @@ weights; loss and every gradient equal the unpipelined model's on the union batc
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-HELPERS = str(Path(__file__).resolve().parent.parent / "pipeline" / "helpers")
-if HELPERS not in sys.path:
-    sys.path.insert(0, HELPERS)
-
-import split_mesh_workers  # noqa: E402
-from dist_harness import run_ranks  # noqa: E402
+import split_mesh_workers  # puts tests/pipeline's helpers on the path
+from dist_harness import run_ranks
 
 EXACT = 1e-10
 
