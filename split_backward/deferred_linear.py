@@ -41,13 +41,28 @@ class LinearRecord(Record):
         return rows.t().mm(self.input), rows.sum(0) if bias else None
 
 
+@dataclass(slots=True)
+class InOutRecord(Record):
+    """The same share for a weight stored (in, out): Hugging Face's ``Conv1D``, a traced
+    ``addmm(bias, rows, weight)``."""
+
+    def products(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.input.t().mm(self.grad_output), self.grad_output.sum(0) if bias else None
+
+
+def _bias_plus_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(bias, rows, weight)
+
+
 class DeferredLinear(torch.autograd.Function):
-    """``functional.linear(x, weight, bias)`` with the weight gradient left to a ``LinearRecord``."""
+    """``functional.linear(x, weight, bias)`` with the weight gradient left to a ``LinearRecord``;
+    with ``in_out``, ``addmm(bias, x, weight)`` (a 2-D ``x``, a weight stored (in, out)) and an
+    ``InOutRecord``."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor | None,
                 parameters: tuple[torch.Tensor, torch.Tensor | None],
-                record: Callable[[Record], None]) -> torch.Tensor:
+                record: Callable[[Record], None], in_out: bool = False) -> torch.Tensor:
         # ``anchor``: a tensor that requires grad, given where ``x`` does not, so that the
         # output still has a backward in which to record.
         weight, bias = parameters
@@ -55,31 +70,38 @@ class DeferredLinear(torch.autograd.Function):
         # As rows: W multiplies them as they are (a strided input, attention's sequence-first
         # view, is copied once here, as linear itself would, not again in W).
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out, rows_used, weight_used = autocast_product(functional.linear, device, rows, weight,
-                                                       bias)
+        product = _bias_plus_product if in_out else functional.linear
+        out, rows_used, weight_used = autocast_product(product, device, rows, weight, bias)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], out.shape[-1])
         ctx.save_for_backward(rows_used, weight_used)
         ctx.parameters = parameters
         ctx.record = record
+        ctx.in_out = in_out
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, None, None, None, None]:
         rows, weight_used = ctx.saved_tensors
         weight, bias = ctx.parameters
-        ctx.record(LinearRecord(weight, bias, rows, grad_output))
+        if ctx.in_out:
+            ctx.record(InOutRecord(weight, bias, rows, grad_output))
+            weight_used = weight_used.t()
+        else:
+            ctx.record(LinearRecord(weight, bias, rows, grad_output))
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         if grad_output.dim() == 2:
-            return grad_output.mm(weight_used), None, None, None
-        return grad_output.matmul(weight_used), None, None, None
+            return grad_output.mm(weight_used), None, None, None, None
+        return grad_output.matmul(weight_used), None, None, None, None
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    record: Callable[[Record], None]) -> torch.Tensor:
-    """``functional.linear`` whose backward hands ``record`` the weight's share (a ``LinearRecord``)."""
+                    record: Callable[[Record], None], in_out: bool = False) -> torch.Tensor:
+    """``functional.linear`` whose backward hands ``record`` the weight's share (a
+    ``LinearRecord``); with ``in_out``, ``addmm(bias, x, weight)`` (an ``InOutRecord``)."""
     anchor = None if x.requires_grad else torch.empty(0, requires_grad=True)
     out: torch.Tensor = DeferredLinear.apply(  # type: ignore[no-untyped-call]
-        x, anchor, (weight, bias), record)
+        x, anchor, (weight, bias), record, in_out)
     return out

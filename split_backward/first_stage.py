@@ -31,10 +31,9 @@ from torch.autograd.graph import Node
 from split_backward.autograd_graph import Slot
 from split_backward.deferred_conv import DeferredConvolution
 from split_backward.deferred_linear import DeferredLinear
-from split_backward.traced_linears import DeferredAddmm
 from split_backward.weight_rules import RULES
 
-_DEFERRING = (DeferredLinear, DeferredConvolution, DeferredAddmm)
+_DEFERRING = (DeferredLinear, DeferredConvolution)  # a traced addmm is a DeferredLinear too
 
 
 def _deferring(node: Node) -> bool:

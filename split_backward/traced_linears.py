@@ -12,55 +12,16 @@ the same ATen call, and inside one it defers the weight gradient as a switched
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
-from split_backward.records import Record, autocast_product
+from split_backward.deferred_linear import deferred_linear
 from split_backward.switched_layers import ACTIVE, linear
 
 _ATEN_LINEAR = torch.ops.aten.linear.default
 _ATEN_ADDMM = torch.ops.aten.addmm.default
-
-
-def _bias_plus_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return torch.addmm(bias, rows, weight)
-
-
-@dataclass(slots=True)
-class AddmmRecord(Record):
-    """``bias + rows @ weight``'s share of W, the weight stored (in, out)."""
-
-    def products(self, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.input.t().mm(self.grad_output), self.grad_output.sum(0) if bias else None
-
-
-class DeferredAddmm(torch.autograd.Function):
-    """``torch.addmm(bias, rows, weight)`` with the weight's gradient left to an ``AddmmRecord``."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, anchor: torch.Tensor | None,
-                parameters: tuple[torch.Tensor, torch.Tensor],
-                record: Callable[[Record], None]) -> torch.Tensor:
-        weight, bias = parameters
-        device = rows.device.type
-        out, rows_used, weight_used = autocast_product(_bias_plus_product, device, rows, weight,
-                                                       bias)
-        ctx.save_for_backward(rows_used, weight_used)
-        ctx.parameters = parameters
-        ctx.record = record
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        rows, weight_used = ctx.saved_tensors
-        weight, bias = ctx.parameters
-        ctx.record(AddmmRecord(weight, bias, rows, grad_output))
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        return grad_output.mm(weight_used.t()), None, None, None
 
 
 def addmm(bias: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, *,
@@ -71,10 +32,7 @@ def addmm(bias: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, *,
     if split is not None and beta == 1 and alpha == 1 and bias.dim() == 1 \
             and rows.dim() == 2 and torch.is_grad_enabled() \
             and split.defers(weight, bias, rows.numel() * weight.shape[1]):
-        anchor = None if rows.requires_grad else torch.empty(0, requires_grad=True)
-        out: torch.Tensor = DeferredAddmm.apply(  # type: ignore[no-untyped-call]
-            rows, anchor, (weight, bias), split.record)
-        return out
+        return deferred_linear(rows, weight, bias, split.record, in_out=True)
     return torch.addmm(bias, rows, weight, beta=beta, alpha=alpha)
 
 
