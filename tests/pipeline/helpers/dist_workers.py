@@ -357,6 +357,32 @@ def repeated_steps(rank: int, world: int, schedules: tuple[str, ...]) -> list[tu
     return results
 
 
+def measured_memory(rank: int, world: int) -> tuple[str, list[float], list[float]]:
+    """``pipe.memory`` on ranks: refused before a measured step, then this rank's stage's
+    micro-batches held (1F1B then GPipe), against the simulator's figure for that stage."""
+    from pipeline import Pipe
+    from schedules import simulate
+
+    x, y = batch()
+    measured, simulated = [], []
+    refused = ""
+    for schedule in ("1f1b", "gpipe"):
+        pipe = Pipe(deep_mlp(), chunks=4, schedule=schedule, checkpoint="never",
+                    loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+        pipe.step(x, y)
+        try:
+            pipe.memory
+        except ValueError as error:
+            refused = str(error)
+        with pipe.measure_memory():
+            pipe.step(x, y)
+        (report,) = pipe.memory
+        measured.append(report.peak_activations)
+        simulated.append(simulate(pipe.schedule).peak_activations[rank])
+        pipe.close()
+    return refused, measured, simulated
+
+
 def naive_plan_under_nccl_rules(rank: int, world: int) -> Any:
     """The posting order the runtime used before comm plans: it must hang under NCCL's rules
     (and the timeout must turn the hang into a PeerError on every rank)."""

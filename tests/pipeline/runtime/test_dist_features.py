@@ -33,6 +33,7 @@ from dist_workers import (
     failing_rank,
     meta_init,
     parameters_after_close,
+    measured_memory,
     repeated_steps,
     state_and_inference,
     variable_lengths,
@@ -64,6 +65,7 @@ def two_ranks(saved_state: Path) -> list[dict[str, Any]]:
         "variable_lengths": (variable_lengths, ()),
         "meta_init": (meta_init, ()),
         "repeated_steps": (repeated_steps, (("gpipe", "1f1b", "zb-v"),)),
+        "measured_memory": (measured_memory, ()),
         "structured": (structured_payloads, ("gloo",)),
         "tied_weights": (tied_weights, ()),
         "autocast": (autocast_step, ()),
@@ -224,6 +226,15 @@ def test_no_process_outlives_a_failed_step(
     assert not before
     assert all(status == "ok" for status, _ in results.values())
     assert not after
+
+
+def test_memory_is_measured_on_each_rank_inside_measure_memory(
+        two_ranks: list[dict[str, Any]]) -> None:
+    for rank, found in enumerate(two_ranks):
+        refused, measured, simulated = found["measured_memory"]
+        assert "no step has run inside one" in refused, (rank, refused)
+        assert measured == simulated, (rank, measured, simulated)
+    assert [found["measured_memory"][1] for found in two_ranks] == [[2.0, 4.0], [1.0, 4.0]]
 
 
 def test_repeated_steps_and_a_shape_change_stay_exact(two_ranks: list[dict[str, Any]]) -> None:
