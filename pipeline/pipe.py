@@ -154,7 +154,7 @@ class Pipe(ModelLike):
         self.model, self._traced = sequential_of(self.source_model, inputs, units)
         self.timeout, self._closed, self._distributed = timeout, False, settings
         self._one_call = OneCall()  # step, pipe(x), predict and close: one at a time
-        self._measuring = False  # inside measure_memory()
+        self._measuring = 0  # measure_memory() blocks entered and not left
         picked = self._pick(chunks, schedule, balance, checkpoint, devices, stages,
                             schedule_options, (inputs, target, loss_fn), memory_limit)
         self.loss_fn, self._loss_rule = loss_fn, loss_rule(loss_fn)
@@ -224,7 +224,7 @@ class Pipe(ModelLike):
         # A Pipe dropped without close() still gives back its communicators and buffers
         # (locally: a finalizer cannot wait for the other ranks).
         self._release = weakref.finalize(self, runner.release)
-        self._set_measuring(self._measuring)
+        self._set_measuring()
         return runner
 
     def _resolve_balance(self, sample: Any) -> list[int] | None:
@@ -331,17 +331,18 @@ class Pipe(ModelLike):
         otherwise, since it hooks every tensor autograd saves. With a group, every rank
         measures its own stage (enter it on every rank, or the ranks' steps differ only in
         their cost)."""
-        self._set_measuring(True)
+        self._measuring += 1  # nested blocks: measured until the outermost ends
+        self._set_measuring()
         try:
             yield
         finally:
-            self._set_measuring(False)
+            self._measuring -= 1
+            self._set_measuring()
 
-    def _set_measuring(self, on: bool) -> None:
-        self._measuring = on
+    def _set_measuring(self) -> None:
         if self._runner is not None:
             for tracker in self._runner.trackers:
-                tracker.measuring = on
+                tracker.measuring = self._measuring > 0
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:

@@ -213,6 +213,11 @@ def test_memory_is_measured_only_when_asked_for() -> None:
     assert [report.peak_activations for report in measured] == [2.0, 1.0]  # 1F1B, P=2, M=2
     pipe.step(*batch("mlp", 4))  # not measured: the last measured step's figures stay
     assert pipe.memory == measured
+    with pipe.measure_memory():
+        with pipe.measure_memory():
+            pass
+        assert all(chunk.tracker is not None for chunk in pipe._runner.chunks.values()), \
+            "an inner block's end stopped the outer block's measuring"
     assert all(chunk.tracker is None for chunk in pipe._runner.chunks.values())
 
 
