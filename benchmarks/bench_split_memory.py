@@ -56,8 +56,8 @@ def cell(schedule: str, path: str, checkpoint: str, group: Any = None,
                               else {"devices": ["cpu", "cpu"]})
     balance = [2, 2] if schedule == "zb-h1" else [1, 1, 1, 1]
     with Pipe(model, chunks=MICROBATCHES, balance=balance, schedule=schedule,
-              checkpoint=checkpoint, loss_fn=nn.MSELoss(), split_backward=path,  # type: ignore[arg-type]
-              **layout) as pipe:
+              checkpoint=checkpoint, loss_fn=nn.MSELoss(),  # type: ignore[arg-type]
+              split_backward=path, **layout) as pipe:
         x, y = make_batch()
         placement = pipe.schedule.placement
         if group is not None:
