@@ -3,8 +3,9 @@
 Per chunk, the first I switches its Linear, MultiheadAttention and convolution
 layers on (``install``, ``switched_layers``): from then on, while the chunk runs a
 forward with a graph, each of their products whose weight gradient is worth moving
-(``"auto"``: a linear one of at least ``MIN_PRODUCT`` estimated multiply-adds;
-``"layers"``: every one, convolutions included) runs ``deferred_linear`` or
+(``"auto"``: a linear one of at least ``MIN_PRODUCT`` estimated multiply-adds, or
+every linear one in a chunk that has none so large; ``"layers"``: every one,
+convolutions included) runs ``deferred_linear`` or
 ``deferred_conv``. A micro-batch whose
 forward deferred something has an I that is one plain engine call (weight
 gradients of everything else included: norms, embeddings, small layers) and a W
@@ -86,6 +87,7 @@ class ChunkSplit:
         # forward ran with the layers switched on)
         self._deferred: dict[int, set[int]] = {}
         self._whole: dict[frozenset[int], bool] = {}  # deferred parameters -> I may be plain
+        self._large_seen = False  # "auto": a product of MIN_PRODUCT or more ran in a forward
 
     @property
     def installed(self) -> bool:
@@ -118,10 +120,18 @@ class ChunkSplit:
         if weight is None or not weight.requires_grad or not _plain_leaf(weight) \
                 or not _plain_leaf(bias):
             return False
-        if self.mode == "auto" and (convolution or multiply_adds < MIN_PRODUCT):
-            # A convolution deferred by its layer measured no faster than by the graph
-            # split (ResNet stage (I+W)/B 1.16-1.19 against 1.12-1.16, one process).
-            return False
+        if self.mode == "auto":
+            if convolution:
+                # A convolution deferred by its layer measured no faster than by the graph
+                # split (ResNet stage (I+W)/B 1.16-1.19 against 1.12-1.16, one process).
+                return False
+            if multiply_adds >= MIN_PRODUCT:
+                self._large_seen = True
+            elif self._large_seen:
+                # Small products keep their weight gradients in a plain I beside the large
+                # ones. In a chunk of small ones alone, the graph split would take them all:
+                # deferred they cost less (8 x Linear(16): (I+W)/B 1.6 against 2.5).
+                return False
         deferred = self._deferred.setdefault(self._microbatch, set())
         deferred.add(id(weight))
         if bias is not None:

@@ -247,13 +247,25 @@ def test_non_reentrant_checkpoint_inside_the_chunk():
     _compare(Checkpointed)
 
 
-def test_auto_leaves_small_products_native():
+def test_auto_leaves_small_products_native_beside_large_ones():
     model, weights = _records_of_last(_mlp, mode="auto")
-    assert not weights.records  # 6 x 16 x 32 multiply-adds: the graph split
+    # 6 x 16 x 32 multiply-adds, and nothing larger in the chunk: deferred all the same (else
+    # the graph split would take them, which costs more than the deferring Function)
+    assert len(weights.records) == 2
     wide = lambda: nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))  # noqa: E731
     model, weights = _records_of_last(wide, mode="auto", rows=8, shape=(256,))
     assert len(weights.records) == 1  # 8 x 256 x 256 deferred, 8 x 256 x 8 not
     assert model[2].weight.grad is not None and model[0].weight.grad is None
+    # A small product ahead of the first large one defers until the large one has run once.
+    torch.manual_seed(0)
+    small_first = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 256))
+    split = ChunkSplit(small_first, "auto")
+    counts = []
+    for microbatch in range(3):
+        _, weights = _step(split, small_first, torch.randn(8, 4), microbatch, True)
+        counts.append(len(weights.records))
+        weights.run()
+    assert counts == [0, 2, 1]  # before the switch, the first switched forward, then on
 
 
 def test_graph_mode_never_switches_a_layer():

@@ -248,18 +248,27 @@ def test_a_chunk_split_of_a_tied_embedding_and_head_on_a_first_stage(mode):
     assert sorted(fired) == sorted(expected_fired)
 
 
-def test_a_first_stage_of_small_layers_under_auto_splits_too():
-    """Nothing defers (products below ``MIN_PRODUCT``): the graph split, which now stops at the
-    lowest product instead of leaving I empty."""
+@pytest.mark.parametrize("mode", ["auto", "graph"])
+def test_a_first_stage_of_small_layers_splits_too(mode):
+    """Products below ``MIN_PRODUCT`` and nothing larger: ``"auto"`` defers them all the same
+    (cheaper than the graph split), ``"graph"`` stops at the lowest product instead of
+    leaving I empty. Either way I runs every layer's backward once, W the weights'."""
     torch.manual_seed(0)
     model = _chain()
-    split = ChunkSplit(model, "auto")
+    reference = copy.deepcopy(model)
+    x = _rows()
+    _plain(reference, x)
+    split = ChunkSplit(model, mode)
     split.install()
     with split.forwarding(0):
-        out = model(_rows())
+        out = model(x)
     _, weights = split.backward_input([out], [torch.ones_like(out)], [], 0)
-    assert not weights.records and _hook_calls(model) == [1, 1, 1, 1]
+    assert len(weights.records) == (5 if mode == "auto" else 0)
+    assert _hook_calls(model) == [1, 1, 1, 1]
+    assert all(p.grad is None for p in model.parameters()), "a weight gradient in I"
     weights.run()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max() < 1e-12
 
 
 class TracedConv1D(nn.Module):
