@@ -133,12 +133,16 @@ class ChunkRunner:
         """The stage's tracker while a step is measured (``Pipe.measure_memory``), else None."""
         return self._tracker if self._tracker is not None and self._tracker.measuring else None
 
-    def begin_step(self, seed_base: int, microbatches: int) -> None:
-        """Forget the previous step's state and set this step's seeds and counts."""
+    def begin_step(self, seed_base: int, microbatches: int, splits: bool = False) -> None:
+        """Forget the previous step's state and set this step's seeds and counts; ``splits``:
+        the step splits some backward of this chunk into I and W, so its layers defer
+        from the step's first forward on (not from its first I)."""
         self._stash.clear()
         self._weights.clear()
         self._replays.clear()
         self._split.begin_step()
+        if splits:
+            self._split.install()
         self._seed_base = seed_base
         self._microbatches = microbatches
         self._draws = [True if self._surprised else None] * len(self.layers)

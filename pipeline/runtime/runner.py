@@ -115,8 +115,9 @@ def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule) -> Iterator[None]
     deferred once it succeeded, and forgets everything the step kept, whatever happened."""
     chunks = list(chunks)
     seed = step_seed()
+    split = {chunk for _, chunk in schedule.split_backward}
     for chunk in chunks:
-        chunk.begin_step(seed, schedule.microbatches)
+        chunk.begin_step(seed, schedule.microbatches, chunk.spec.index in split)
     try:
         yield
         for chunk in chunks:
