@@ -10,12 +10,14 @@ from torch import nn
 
 from dist_harness import outcome
 
-# Rank 0's four calls take about 4.2 timeouts; rank 1 stays silent well past them, and past
-# 10 s from the second call's start, so that a call hanging until rank 1 wakes still fails the
+TIMEOUT = 2.0  # every Pipe's here
+BOUND = 6.0  # seconds a waiting rank's call may take: the timeout and room for a loaded machine
+# Rank 0's four calls take about 4.2 timeouts; rank 1 stays silent past them, and past BOUND
+# from the second call's start, so that a call hanging until rank 1 wakes still fails the
 # test's bound.
-SILENCE = 13.0  # seconds rank 1 stays silent
-TIMEOUT = 2.0
-HELD = 12.0  # seconds every rank of replica_fails stays, whatever its step did
+SILENCE = 11.0  # seconds rank 1 stays silent
+HELD = BOUND + 1.0  # seconds every rank of replica_fails stays, whatever its step did
+STALL = BOUND + 2.0  # seconds a stalled replica sleeps: past the bound and past HELD
 
 
 def _mlp() -> nn.Sequential:
@@ -84,8 +86,9 @@ def lone_validation(rank: int, world: int, transport: str) -> list[tuple[str, st
     torch.set_num_threads(1)
     x = torch.randn(8, 6, dtype=torch.float64)
     y = torch.randn(8, 6, dtype=torch.float64)
-    pipe = Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
-                distributed=Distributed(dist.group.WORLD, transport=transport))
+    group = dist.new_group(list(range(world)))  # left broken: later calls use fresh groups
+    pipe = Pipe(_mlp(), 2, schedule="1f1b", loss_fn=nn.MSELoss(), timeout=TIMEOUT,
+                distributed=Distributed(group, transport=transport))
     calls = {"step": lambda: pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)}
     if rank == 0:
         calls = {"pipe(x)": lambda: pipe(x), **calls}
@@ -96,7 +99,7 @@ def lone_validation(rank: int, world: int, transport: str) -> list[tuple[str, st
 
 
 class FailsOn(nn.Module):
-    """Raises, or stalls for ``SILENCE`` seconds, in its forward on global rank ``rank``."""
+    """Raises, or stalls for ``STALL`` seconds, in its forward on global rank ``rank``."""
 
     def __init__(self, rank: int, how: str) -> None:
         super().__init__()
@@ -106,13 +109,13 @@ class FailsOn(nn.Module):
         if dist.get_rank() == self.rank:
             if self.how == "raise":
                 raise RuntimeError("this replica's stage fails")
-            time.sleep(SILENCE)
+            time.sleep(STALL)
         return x
 
 
 def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing: int,
                   how: str) -> tuple[str, float, bool]:
-    """A (pp, dp) = (2, 2) mesh, ``Pipe(timeout=5)``: a layer of ``stage`` raises (``how``
+    """A (pp, dp) = (2, 2) mesh, ``Pipe(timeout=TIMEOUT)``: a layer of ``stage`` raises (``how``
     "raise") or stalls (``"stall"``) on global rank ``failing`` in the first forward. This
     rank's step: (outcome, seconds, whether every gradient is still None)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -125,7 +128,7 @@ def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing
     layers: list[nn.Module] = [nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()]
     layers.insert(1 if stage == 0 else 3, FailsOn(failing, how))
     model = nn.Sequential(*layers).double()
-    pipe = Pipe(model, 2, balance=[2, 3], schedule="1f1b", loss_fn=nn.MSELoss(), timeout=5.0,
+    pipe = Pipe(model, 2, balance=[2, 3], schedule="1f1b", loss_fn=nn.MSELoss(), timeout=TIMEOUT,
                 distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel))
     x = torch.randn(4, 6, dtype=torch.float64)
     started = time.monotonic()
