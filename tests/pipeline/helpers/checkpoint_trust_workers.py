@@ -22,7 +22,12 @@ FRESH_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optim
 }
 SAVES = ("never", "before the first step", "with gradients, before optimizer.step")
 STEPS = 3
-STALL = 12.0  # seconds a stalled or silent peer waits: past the 10 s bound
+TIMEOUT = 2.0  # the Pipe's in bounded_waits
+BOUND = 6.0  # seconds a waiting rank's call may take: the timeout and room for a loaded machine
+STALL = BOUND + 2.0  # seconds a stalled peer sleeps inside a call: past the bound
+# A silent peer is silent through two calls: past the first's timeout and BOUND beyond it,
+# so that the second, had it waited for the peer to wake, would still fail the bound.
+SILENCE = TIMEOUT + BOUND + 2.0
 
 
 
@@ -176,9 +181,10 @@ def _stalled(function: Callable[..., Any], seconds: float) -> Callable[..., Any]
 
 
 def bounded_waits(rank: int, world: int, directory: str) -> dict[str, Any]:
-    """With ``Pipe(timeout=5)``: a save and a load while rank 1 is silent, then while it
-    stalls inside them. Each case on a fresh group (a timed-out collective leaves its group
-    unusable). Per case, what each rank raised and after how many seconds."""
+    """With ``Pipe(timeout=TIMEOUT)``: a save and a load while rank 1 is silent (both during
+    one silence), then while it stalls inside them. Each case on a fresh group (a timed-out
+    collective leaves its group unusable). Per case, what each rank raised and after how many
+    seconds."""
     import pipeline.checkpoints as checkpoints
     from pipeline import Pipe, load_checkpoint, save_checkpoint
 
@@ -188,26 +194,30 @@ def bounded_waits(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     def fresh() -> tuple[Any, torch.optim.Optimizer]:
         group = dist.new_group([0, 1])
-        pipe = Pipe(deep_mlp(), chunks=CHUNKS, loss_fn=nn.MSELoss(), group=group, timeout=5.0)
+        pipe = Pipe(deep_mlp(), chunks=CHUNKS, loss_fn=nn.MSELoss(), group=group,
+                    timeout=TIMEOUT)
         return pipe, torch.optim.Adam(pipe.parameters())
+
+    def call(case: str, pipe: Any, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        if case.startswith("save"):
+            return lambda: save_checkpoint(pipe, optimizer, target, 2)
+        return lambda: load_checkpoint(pipe, optimizer, target)
 
     pipe, optimizer = fresh()
     save_checkpoint(pipe, optimizer, target, 1)  # what the loads below read
-    for case in ("save, silent peer", "load, silent peer", "save, stalled peer",
-                 "load, stalled peer"):
+    silent = {case: fresh() for case in ("save, silent peer", "load, silent peer")}
+    if rank == 1:  # both Pipes built (building is collective), then silent through both calls
+        time.sleep(SILENCE)
+    for case, (pipe, optimizer) in silent.items():
+        found[case] = ("", "silent", 0.0) if rank == 1 else _caught(call(case, pipe, optimizer))
+    for case in ("save, stalled peer", "load, stalled peer"):
         pipe, optimizer = fresh()
-        call = (lambda: save_checkpoint(pipe, optimizer, target, 2)) if case.startswith("save") \
-            else (lambda: load_checkpoint(pipe, optimizer, target))
-        if rank == 1 and "silent" in case:
-            time.sleep(STALL)
-            found[case] = ("", "silent", 0.0)
-            continue
         if rank == 1:
             name = "save_state" if case.startswith("save") else "plan_reading"
             honest = getattr(checkpoints, name)
             setattr(checkpoints, name, _stalled(honest, STALL))
-            found[case] = _caught(call)
+            found[case] = _caught(call(case, pipe, optimizer))
             setattr(checkpoints, name, honest)
         else:
-            found[case] = _caught(call)
+            found[case] = _caught(call(case, pipe, optimizer))
     return found
