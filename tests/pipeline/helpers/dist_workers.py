@@ -117,7 +117,8 @@ class RaiseAt(nn.Module):
 
 
 def failing_rank(rank: int, world: int, failing: int, abrupt: bool) -> Any:
-    """Rank ``failing`` raises (or dies abruptly) in its third forward; report what others see."""
+    """Rank ``failing`` raises (or dies abruptly) in its third forward; report what others see.
+    On a fresh group: the failed step leaves it unusable, the world group as it was."""
     from pipeline import Pipe
 
     x, y = batch(rows=16)
@@ -127,7 +128,7 @@ def failing_rank(rank: int, world: int, failing: int, abrupt: bool) -> Any:
     layers.insert(position, RaiseAt(after=2) if not abrupt else _Exit(after=2, rank=failing))
     layers.pop(position + 1)  # keep the layer count a multiple of the world size
     pipe = Pipe(nn.Sequential(*layers), chunks=8, schedule="1f1b", loss_fn=nn.MSELoss(),
-                group=dist.group.WORLD, timeout=4.0)
+                group=dist.new_group(list(range(world))), timeout=4.0)
     started = time.monotonic()
     try:
         pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
@@ -433,14 +434,15 @@ class SilentLayer(nn.Module):
 def silent_peer(rank: int, world: int, seconds: float, timeout: float) -> Any:
     """Rank 0 goes silent in its last backward of the first step; rank 1 has by then all it
     needs (the loss came with the backward messages) and finishes that step. Each rank's
-    steps, three in turn: (outcome, seconds, error text)."""
+    steps, three in turn: (outcome, seconds, error text). On a fresh group, which the steps
+    leave unusable."""
     from pipeline import PeerError, Pipe
 
     x, y = batch()
     layers = list(deep_mlp())
     model = nn.Sequential(layers[0], SilentLayer(seconds if rank == 0 else 0.0), *layers[1:])
     pipe = Pipe(model, chunks=4, schedule="gpipe", checkpoint="never", loss_fn=nn.MSELoss(),
-                group=dist.group.WORLD, timeout=timeout)
+                group=dist.new_group(list(range(world))), timeout=timeout)
     outcomes = []
     for _ in range(3):
         started = time.monotonic()

@@ -3,7 +3,8 @@
 Spawning ranks costs seconds (processes, torch's import, a process group), so the tests
 share a spawn per world size where they can, each rank function in turn on the same group
 (``two_ranks``, ``three_ranks``, ``four_ranks``): a function that breaks a pipeline on
-purpose, or whose ranks must leave the moment it returns, goes last.
+purpose builds it on a fresh group, or goes last, as does one whose ranks must leave the
+moment it returns. A rank that dies goes alone.
 """
 
 from __future__ import annotations
@@ -72,16 +73,25 @@ def two_ranks(saved_state: Path) -> list[dict[str, Any]]:
         "overflow": (scaler_overflow, ()),
         "tied_on_meta": (tied_on_meta, ()),
         "after_close": (parameters_after_close, ()),
-        "failed_profile": (failed_profile_on_rank_zero, ()),  # fails on purpose: last
+        "failed_profile": (failed_profile_on_rank_zero, ()),  # fails on purpose
+        # Silent for 9 s with a 3 s timeout, on a fresh group; its waiting rank must leave
+        # the moment it returns: last.
+        "silent_peer": (silent_peer, (9.0, 3.0)),
     })
 
 
 @pytest.fixture(scope="module")
-def three_ranks() -> list[dict[str, Any]]:
-    return _in_turn(3, {
+def three_ranks() -> tuple[list[int], list[dict[str, Any]], list[int]]:
+    """The spawned children before, per rank each call's result, and the children after.
+    Rank 1 of 3 raises mid-step on a fresh group (``failing_rank``) before the world group's
+    last call."""
+    before = _spawned_children()
+    found = _in_turn(3, {
         "disagreement": (disagreement, ()),
+        "failed_step": (failing_rank, (1, False)),
         "timeline_after_close": (timeline_after_close, ()),  # its ranks leave at once: last
     })
+    return before, found, _spawned_children()
 
 
 @pytest.fixture(scope="module")
@@ -111,22 +121,11 @@ def _spawned_children() -> list[int]:
     return children
 
 
-@pytest.fixture(scope="module")
-def failed_step() -> tuple[list[int], dict[int, tuple[str, Any]], list[int]]:
-    """Rank 1 of 3 raises mid-step: the spawned children before, each rank's answer, and the
-    spawned children after."""
-    before = _spawned_children()
-    results = run_ranks_raw(failing_rank, 3, 1, False, timeout=60)
-    return before, results, _spawned_children()
-
-
 def test_a_rank_that_raises_fails_every_rank_quickly_naming_it(
-        failed_step: tuple[list[int], dict[int, tuple[str, Any]], list[int]]) -> None:
-    _, results, _ = failed_step
+        three_ranks: tuple[list[int], list[dict[str, Any]], list[int]]) -> None:
+    _, found, _ = three_ranks
     for rank in range(3):
-        status, value = results[rank]
-        assert status == "ok", value
-        outcome, kind, message, seconds = value
+        outcome, kind, message, seconds = found[rank]["failed_step"]
         assert outcome == "raised", f"rank {rank} finished a step in which rank 1 failed"
         assert seconds < 4.0, f"rank {rank} took {seconds:.1f}s: it waited for the timeout"
         if rank == 1:
@@ -149,8 +148,8 @@ def test_a_dead_peer_is_an_error_within_the_timeout() -> None:
 
 
 def test_ranks_that_disagree_all_fail_naming_the_odd_one(
-        three_ranks: list[dict[str, Any]]) -> None:
-    for found in three_ranks:
+        three_ranks: tuple[list[int], list[dict[str, Any]], list[int]]) -> None:
+    for found in three_ranks[1]:
         message = found["disagreement"]
         assert "rank 1 has balance=[4, 12]" in message
         assert "[8, 8]" in message
@@ -221,10 +220,10 @@ def test_meta_model_materialises_only_local_layers(two_ranks: list[dict[str, Any
 
 
 def test_no_process_outlives_a_failed_step(
-        failed_step: tuple[list[int], dict[int, tuple[str, Any]], list[int]]) -> None:
-    before, results, after = failed_step
+        three_ranks: tuple[list[int], list[dict[str, Any]], list[int]]) -> None:
+    before, found, after = three_ranks
     assert not before
-    assert all(status == "ok" for status, _ in results.values())
+    assert len(found) == 3 and all("failed_step" in results for results in found)
     assert not after
 
 
@@ -245,10 +244,11 @@ def test_repeated_steps_and_a_shape_change_stay_exact(two_ranks: list[dict[str, 
             assert error < TOLERANCE, f"{schedule}: gradients off by {error}"
 
 
-def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout() -> None:
+def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout(
+        two_ranks: list[dict[str, Any]]) -> None:
     # Silent for 9 s with a 3 s timeout: the waiting rank gives up some 6 s before the
     # silent one wakes, while a wait that lasted until then would take near 9 s, past 7.
-    silent, waiting = run_ranks(silent_peer, 2, 9.0, 3.0, timeout=90)
+    silent, waiting = [found["silent_peer"] for found in two_ranks]
     # The waiting rank had every message of the first step (the loss rides on them), so
     # that step is whole; the next one waits for the first step's timeline, and gives up.
     assert waiting[0][0] == "finished", waiting
@@ -262,10 +262,10 @@ def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout() -> None:
 
 
 def test_the_last_timeline_survives_close_and_the_loss_is_everywhere(
-        three_ranks: list[dict[str, Any]]) -> None:
+        three_ranks: tuple[list[int], list[dict[str, Any]], list[int]]) -> None:
     # The timeline is gathered in the background; close() completes it, so rank 0 still
     # has every stage's events though the other ranks left the moment they closed.
-    first, *others = [found["timeline_after_close"] for found in three_ranks]
+    first, *others = [found["timeline_after_close"] for found in three_ranks[1]]
     losses, stages, count = first
     assert stages == [0, 1, 2] and count == 3 * 2 * 4
     for other_losses, nothing in others:
