@@ -69,19 +69,15 @@ def test_a_successful_step_accumulates_into_the_same_tensors() -> None:
 
 @pytest.fixture(scope="module")
 def on_ranks() -> dict[tuple[str, str], Any]:
-    """Every 2-rank case, by (worker, schedule), from two spawns of 2 ranks (each spawn
+    """Every 2-rank case, by (worker, schedule), from one spawn of 2 ranks (each spawn
     costs seconds), the cases in turn; a failed step leaves messages in flight on its
-    group, so each spawn ends with one."""
-    spawns = [[("tied", "1f1b"), ("tied", "zb-h1"), ("failed", "1f1b")],
-              [("tied", "zb-v"), ("failed", "zb-h1")]]
+    group, a fresh one, and the world group's cases go first all the same."""
+    cases = [("tied", "1f1b"), ("tied", "zb-h1"), ("tied", "zb-v"), ("failed", "1f1b"),
+             ("failed", "zb-h1")]
     functions = {"tied": workers.tied_accumulation, "failed": workers.failed_step}
-    found: dict[tuple[str, str], Any] = {}
-    for cases in spawns:
-        calls = [(functions[name], (schedule,)) for name, schedule in cases]
-        per_rank = run_ranks(in_turn, 2, calls, timeout=240)
-        for index, case in enumerate(cases):
-            found[case] = [results[index] for results in per_rank]
-    return found
+    calls = [(functions[name], (schedule,)) for name, schedule in cases]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=240)
+    return {case: [results[index] for results in per_rank] for index, case in enumerate(cases)}
 
 
 @pytest.mark.parametrize("schedule", ("1f1b", "zb-h1", "zb-v"))
