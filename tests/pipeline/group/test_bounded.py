@@ -71,7 +71,7 @@ REPLICA_FAILURES = (
     ("fsdp", 1, 2, "raise"),  # the other replica of stage 1 waited in the reduce-scatter
     ("fsdp", 0, 0, "raise"),  # rank 2 never gathered: rank 3 waited in the all-gather
     ("replicate", 1, 2, "raise"),  # waited for the timeout, not told
-    ("fsdp", 1, 2, "stall"),  # a silent replica (last: the others leave before it does)
+    ("fsdp", 1, 2, "stall"),  # a silent replica
 )
 
 

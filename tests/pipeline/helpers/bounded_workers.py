@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -16,8 +17,8 @@ BOUND = 6.0  # seconds a waiting rank's call may take: the timeout and room for 
 # from the second call's start, so that a call hanging until rank 1 wakes still fails the
 # test's bound.
 SILENCE = 11.0  # seconds rank 1 stays silent
-HELD = BOUND + 1.0  # seconds every rank of replica_fails stays, whatever its step did
-STALL = BOUND + 2.0  # seconds a stalled replica sleeps: past the bound and past HELD
+STALL = BOUND + 2.0  # seconds a stalled replica sleeps: past the bound
+HELD = 60.0  # seconds replica_fails' ranks wait for each other after their steps, at most
 
 
 def _mlp() -> nn.Sequential:
@@ -124,6 +125,7 @@ def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    held = dist.new_group(list(range(world)), timeout=timedelta(seconds=HELD))
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()]
     layers.insert(1 if stage == 0 else 3, FailsOn(failing, how))
@@ -131,9 +133,9 @@ def replica_fails(rank: int, world: int, data_parallel: str, stage: int, failing
     pipe = Pipe(model, 2, balance=[2, 3], schedule="1f1b", loss_fn=nn.MSELoss(), timeout=TIMEOUT,
                 distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel))
     x = torch.randn(4, 6, dtype=torch.float64)
-    started = time.monotonic()
     said, seconds = outcome(lambda: pipe.step(x, x), limit=300)
-    # No rank leaves before the bar has passed: a rank waiting for a failed one until its
-    # process ends would otherwise be freed early, by a raw gloo error.
-    time.sleep(max(0.0, started + HELD - time.monotonic()))
+    # No rank leaves, nor drops its Pipe, before every rank's step has ended: a rank waiting
+    # for a failed one until it leaves would otherwise be freed early, by a raw gloo error.
+    # (Were it to wait so, the failed rank would wait here for HELD seconds and raise.)
+    dist.barrier(group=held)
     return said, seconds, all(p.grad is None for p in pipe.parameters())
