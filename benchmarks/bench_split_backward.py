@@ -10,7 +10,10 @@ Three stages, each fed one micro-batch: (a) ``gpt``, two pre-LayerNorm blocks
 (``nn.MultiheadAttention``, MLP 128 -> 512 -> 128, residuals) on 4 x 64 tokens,
 the stage of the issue's table; (b) ``resnet``, two torchvision-style bottlenecks
 (1x1, 3x3, 1x1 convolutions with BatchNorm and in-place ReLU) on 8 x 256 x 14 x 14;
-(c) ``linear``, 8 x Linear(16) on 64 rows, where engine calls dominate. Each
+(c) ``linear``, 8 x Linear(16) on 64 rows, where engine calls dominate; (d) ``hf-gpt2``,
+the two block units of a Hugging Face GPT-2 (width 128, 4 heads) as the Pipe traces
+and cuts it (``units``; its Conv1D projections are ``aten.addmm`` nodes that the split
+defers), on 4 x 64 tokens, the model's own code rather than ours. Each
 round runs, in turn, a forward then B (``torch.autograd.backward``); for each of our
 paths a forward then its I and W: ``graph`` (``split_backward.backward_input``, the
 graph split), ``layers`` (``split_backward.ChunkSplit(..., "layers")``: every Linear
@@ -64,7 +67,7 @@ from torch.distributed.pipelining._backward import (  # noqa: E402
 )
 
 
-BARS = {"gpt": 1.08, "resnet": 1.10, "linear": 1.5}
+BARS = {"gpt": 1.08, "resnet": 1.10, "linear": 1.5, "hf-gpt2": 1.08}
 PATHS = ("graph", "layers", "auto")
 
 
@@ -116,7 +119,42 @@ def make_stage(name: str) -> tuple[nn.Module, torch.Tensor]:
         return nn.Sequential(Block(), Block()), torch.randn(4, 64, 128)
     if name == "resnet":
         return nn.Sequential(Bottleneck(), Bottleneck()), torch.randn(8, 256, 14, 14)
+    if name == "hf-gpt2":
+        return traced_gpt2_blocks()
     return nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)]), torch.randn(64, 16)
+
+
+class CarriedAlong(nn.Module):
+    """Units of a traced model as a stage of one tensor: the values carried beside the hidden
+    states (sizes, the attention mask) are the sample's, the hidden states come and go last."""
+
+    def __init__(self, units: list[nn.Module], carried: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.units = nn.Sequential(*units)
+        self.carried = carried
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.units((*self.carried, hidden))[-1]
+        return out
+
+
+def traced_gpt2_blocks() -> tuple[nn.Module, torch.Tensor]:
+    """A Hugging Face GPT-2's two block units, cut as a Pipe cuts it, and their input."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    from pipeline.setup.options import sequential_of
+
+    logging.set_verbosity_error()
+    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 256, (4, 64))
+    units, _ = sequential_of(GPT2LMHeadModel(config), {"input_ids": ids}, None)
+    with torch.no_grad():
+        carried = units[0]({"input_ids": ids})
+    *beside, hidden = carried
+    assert isinstance(hidden, torch.Tensor) and hidden.shape == (4, 64, 128), carried
+    return CarriedAlong([units[1], units[2]], tuple(beside)), hidden.detach()
 
 
 def _timed(work: Callable[[], Any]) -> float:
