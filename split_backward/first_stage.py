@@ -9,9 +9,9 @@ down to the *stops*, the lowest nodes that compute a weight's share of a layer:
 
 - a node with a weight rule (``weight_rules.RULES``: a product, a convolution, a
   norm, an add or multiply) that has no other such node below it;
-- below a layer that defers its own weight gradient (``deferred_linear``,
-  ``deferred_conv``, ``traced_linears``), the node its input gradient goes to (its anchor when the input
-  needs none): such a layer must run in I, where its record is taken.
+- below a layer that defers its own weight gradient (``deferred_linear``, a traced
+  addmm's too, ``deferred_conv``), the node its input gradient goes to (its anchor when
+  the input needs none): such a layer must run in I, where its record is taken.
 
 I captures the gradient entering each stop; W turns it into the stop's outputs (by
 its rule, else by calling the node once) and runs the rest below. The stops are
