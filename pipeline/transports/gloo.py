@@ -60,7 +60,7 @@ from pipeline.transports.wire import (
     failure_message,
     message_size,
     pack,
-    stamp_call,
+    stamp_header,
     write_notice,
 )
 
@@ -103,7 +103,11 @@ class GlooTransport:
         # scheduler tick (a few ms; measured on 2 cores, -3 to -6% on a 1F1B step).
         self.yield_after_send = device.type == "cpu" and hasattr(os, "sched_yield")
         self.send_pool = BufferPool(device)
-        self._headers: dict[tuple[Metas, int], torch.Tensor] = {}
+        # Each distinct header, stamped with the call it last went out in: a send copies it
+        # whole, the stamp written once per header and call, not into every message (three
+        # tensor ops fewer a send: pack and stamp 0.26 -> 0.23-0.25 ms of CPU after a 25 ms
+        # sleep, caches cold as between a pipeline's actions).
+        self._headers: dict[tuple[Metas, int], tuple[torch.Tensor, list[int]]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []  # in flight, with their buffers
         self._owed: dict[ActionKey, list[int]] = {}
         # What each message carried last step; the receiving end keeps the same record, so
@@ -165,13 +169,17 @@ class GlooTransport:
         return self._routes.route(key, peer)
 
     def _header(self, metas: Metas, kind: int) -> torch.Tensor:
-        header = self._headers.get((metas, kind))
-        if header is None:
+        """The header of ``metas`` and ``kind``, stamped with this call."""
+        known = self._headers.get((metas, kind))
+        if known is None:
             written = encode_header(metas, kind)
             check_announces(written, metas)  # once per distinct header
             with torch.inference_mode(False):  # kept for later calls (see BufferPool.take)
-                header = written.to(self.device)
-            self._headers[(metas, kind)] = header
+                known = self._headers[(metas, kind)] = (written.to(self.device), [-1])
+        header, stamped = known
+        if stamped[0] != self._call:
+            stamp_header(header, self._call)
+            stamped[0] = self._call
         return header
 
     def send(self, key: ActionKey, destination: int, payload: Any) -> None:
@@ -186,8 +194,7 @@ class GlooTransport:
             remember(self._sent_shapes, (key, destination), metas)
         self._release_sent()
         message = self.send_pool.take(message_size(metas))
-        pack(header, tensors, message)
-        stamp_call(message, self._call)
+        pack(header, tensors, message)  # stamped with the call already
         if predicted_metas == metas:
             self._isend(route, message, False)
         else:

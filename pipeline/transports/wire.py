@@ -160,6 +160,11 @@ def stamp_call(buffer: torch.Tensor, stamp: int) -> None:
     buffer[8 * CALL_SLOT: 8 * CALL_SLOT + 8].view(torch.int64).fill_(stamp)
 
 
+def stamp_header(header: torch.Tensor, stamp: int) -> None:
+    """Write ``stamp`` into the int64 ``header`` (as ``stamp_call`` into a message)."""
+    header[CALL_SLOT] = stamp
+
+
 def header_of(message: torch.Tensor) -> torch.Tensor:
     """The header at the start of the uint8 ``message``, on the CPU (a view of it there)."""
     return message[:HEADER_BYTES].view(torch.int64).cpu()
@@ -290,8 +295,14 @@ class MessageReader:
             HeaderError: a corrupt header, or fewer bytes than it announces.
         """
         header = header_of(buffer)
-        status = check_status(header, call, self.stage, sender, self.rank, (OK, NEXT))
-        raw = structure_bytes(header)  # the same every call
+        # The common case read from one numpy view, not by indexing the tensor twice
+        # (a read 0.31 -> 0.28-0.31 ms of CPU after a 25 ms sleep, caches cold as between a
+        # pipeline's actions); anything else goes to check_status, which raises.
+        values = header.numpy()
+        status = int(values[STATUS_SLOT])
+        if status not in (OK, NEXT) or int(values[CALL_SLOT]) != call:
+            check_status(header, call, self.stage, sender, self.rank, (OK, NEXT))
+        raw = values[CALL_SLOT + 1:].tobytes()  # as structure_bytes: the same every call
         last = self._decoded.get(message)
         if last is not None and last[0] == raw:
             kind, metas = last[1], last[2]
