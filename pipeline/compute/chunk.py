@@ -268,7 +268,10 @@ class ChunkRunner:
         Returns the detached outputs to send on, or, for the last chunk, the
         detached loss multiplied by the micro-batch's ``weight``.
         """
-        stash = _Stash(inputs=self._leaves(inputs), target=detach(target), weight=weight)
+        # No target (every chunk but the last): no pytree walk over None (see ``seeded``
+        # for what the two cuts bought a forward).
+        stash = _Stash(inputs=self._leaves(inputs),
+                       target=None if target is None else detach(target), weight=weight)
         self._stash[microbatch] = stash
         recomputed = recomputes(self.options.checkpoint, microbatch, self._microbatches)
         if self.tracker is not None and (recomputed or not self.spec.is_first):

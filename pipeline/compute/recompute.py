@@ -88,11 +88,19 @@ def seeded(device: torch.device, seed: int, watch: bool = False) -> Iterator[Pro
     The caller holds the generator's lock, if it has one. With ``watch``, the yielded
     Probe tells afterwards whether the body drew numbers.
     """
-    cuda = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        if device.type == "cuda":
+    if device.type == "cuda":
+        with torch.random.fork_rng(devices=[device]):
             with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
+            yield Probe(device, watch)
+        return
+    # On the CPU, what fork_rng saves and restores there, without its accelerator and
+    # device-module lookups (with chunk.py's untouched None target: a forward 0.71-0.84 ->
+    # 0.65-0.77 ms of CPU after a 25 ms sleep, caches cold as between a pipeline's actions).
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(seed)
+    try:
         yield Probe(device, watch)
+    finally:
+        generator.set_state(state)
