@@ -138,10 +138,10 @@ def gpt(
 
 def tensor_parallel_plan(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism for ``Distributed.from_mesh(mesh,
-    tensor_parallel=...)``: in each ``Block``, attention heads and the MLP's hidden units split across ``tp_mesh`` (query,
-    key, value and the MLP's first Linear by columns, the projections back by rows, one
-    all-reduce each in forward and backward); embeddings, norms and the tied head stay
-    whole on every rank. Between blocks the stream is a plain, replicated tensor.
+    tensor_parallel=...)``: in each ``Block``, attention heads and the MLP's hidden units
+    split across ``tp_mesh`` (query, key, value and the MLP's first Linear by columns, the
+    projections back by rows, one all-reduce each in forward and backward); embeddings,
+    norms and the tied head stay whole on every rank. Between blocks the stream is a plain, replicated tensor.
 
     Raises:
         ValueError: a block whose heads do not divide among the ranks.

@@ -46,7 +46,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from tqdm import tqdm
 
 from compare_gpt import CLIP, TOLERANCE, Reference, compare_step, stop_on  # beside this script
 from gpt import gpt, lm_loss, tensor_parallel_plan  # examples/gpt.py, beside this script
-from pipeline import Pipe, load_checkpoint, load_into_model, save_checkpoint
+from pipeline import Distributed, Pipe, load_checkpoint, load_into_model, save_checkpoint
 
 MODULES = ("argparse.py", "textwrap.py", "functools.py", "heapq.py", "string.py",
            "difflib.py", "fractions.py", "statistics.py", "dataclasses.py", "enum.py")
@@ -155,13 +154,13 @@ def start(args: argparse.Namespace) -> Layout:
 
 def make_pipe(args: argparse.Namespace, layout: Layout, model: nn.Sequential) -> Pipe:
     """The pipeline over the world group, or along the mesh's pp dimension."""
-    where: dict[str, Any] = {"group": layout.pipeline_group}
+    distributed = Distributed(layout.pipeline_group)
     if layout.mesh is not None:
         split = tensor_parallel_plan if args.mesh[2] > 1 else None
-        where = {"mesh": layout.mesh, "data_parallel": args.data_parallel,
-                 "tensor_parallel": split}
+        distributed = Distributed.from_mesh(layout.mesh, data_parallel=args.data_parallel,
+                                            tensor_parallel=split)
     return Pipe(model, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint,
-                loss_fn=lm_loss(), **where)
+                loss_fn=lm_loss(), distributed=distributed)
 
 
 def replica_rows(x: torch.Tensor, y: torch.Tensor,
