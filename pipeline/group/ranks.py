@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.group.collectives import all_reduce, broadcast_object, gather_objects
 from pipeline.group.hops import HopModel
 from pipeline.group.links import calibrate_group, calibrate_local, hop_pairs
@@ -158,7 +158,7 @@ class RankGroup:
 
     def share_overflow(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         # A sharded gradient's own shard: a DTensor's isfinite().all() would be a collective.
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grads = [p.grad.to_local() if is_dtensor(p.grad) else p.grad
                  for p in parameters if p.grad is not None]
         found = any(not bool(torch.isfinite(g).all()) for g in grads)
         flag = torch.tensor([float(found)], device=rank_device(self.group))

@@ -45,23 +45,25 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from schedules import Link
 
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.compute.loss import LossRule
 from pipeline.errors import PeerError
 from pipeline.group.agreement import ReplicaAgreement
 from pipeline.group.collectives import all_reduce, union_total
 from pipeline.group.distributed import Distributed
 from pipeline.group.links import slowest_link
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,14 @@ NOT_SHARDED = Sharding()
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds (a DTensor's local shard, else itself)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def replication(tensor: torch.Tensor, sizes: dict[str, int]) -> int:
     """How many ranks along the mesh dimensions ``sizes`` (name -> ranks) hold the same part
     of ``tensor`` as this one: all of them along a dimension it is not sharded over."""
     sharded: set[str] = set()
-    if isinstance(tensor, DTensor):
+    if is_dtensor(tensor):
         names = tensor.device_mesh.mesh_dim_names or ()
         # Not is_shard(): FSDP over a tensor-parallel shard places a _StridedShard, which
         # is no Shard; a gradient is never Partial here.
@@ -286,13 +288,13 @@ class FullyShard(Replicas):
     def shard(self, layers: Sequence[nn.Module]) -> None:
         for modules in sharing_units(layers):
             if len(modules) == 1:
-                fully_shard(modules[0], mesh=self.mesh, reshard_after_forward=False)
+                _fully_shard()(modules[0], mesh=self.mesh, reshard_after_forward=False)
                 unit = _as_unit(modules[0])
                 if self.reshard_after_forward:
                     modules[0].register_forward_hook(self._resharding(unit))
             else:
                 holder = _holder(modules)
-                fully_shard(holder, mesh=self.mesh, reshard_after_forward=False)
+                _fully_shard()(holder, mesh=self.mesh, reshard_after_forward=False)
                 unit = _as_unit(holder)
                 self.held.append(unit)
             self.units.append(unit)
@@ -322,7 +324,7 @@ class FullyShard(Replicas):
 
     def begin_forward_only(self) -> None:
         for unit in self.held:
-            fully_shard.state(unit)._lazy_init()  # type: ignore[attr-defined]  # a forward's
+            _fully_shard().state(unit)._lazy_init()  # a forward's
             unit.unshard()
 
     def begin_step(self) -> None:
@@ -342,7 +344,7 @@ class FullyShard(Replicas):
     def _gather_all(self) -> None:
         try:
             for unit in self.units:
-                fully_shard.state(unit)._lazy_init()  # type: ignore[attr-defined]  # a forward's
+                _fully_shard().state(unit)._lazy_init()  # a forward's
                 unit.unshard()
         except RuntimeError as error:  # gloo's own: a replica's process ended
             raise _peer_error("gathering the stage's parameters", error) from error
@@ -446,20 +448,30 @@ def _holder(modules: Sequence[nn.Module]) -> nn.Module:
     return holder
 
 
+def _fully_shard() -> Any:
+    """FSDP2's ``fully_shard``, imported where replicas shard: it pulls in DTensor (and sympy),
+    which a pipeline without FSDP need not load."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
 def _as_unit(module: nn.Module) -> FSDPModule:
+    from torch.distributed.fsdp import FSDPModule
+
     assert isinstance(module, FSDPModule)
     return module
 
 
 def _parameter_groups(unit: FSDPModule) -> list:  # type: ignore[type-arg]
-    state = fully_shard.state(unit)  # type: ignore[attr-defined]
+    state = _fully_shard().state(unit)
     return list(state._fsdp_param_groups)
 
 
 def _reduce_now(units: Sequence[FSDPModule]) -> None:
     """Reduce-scatter every unit's accumulated gradients and free its gathered parameters."""
     for unit in units:
-        state = fully_shard.state(unit)  # type: ignore[attr-defined]
+        state = _fully_shard().state(unit)
         for group in reversed(state._fsdp_param_groups):
             group.post_backward()
         state._root_post_backward_final_callback()

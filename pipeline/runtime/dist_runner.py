@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from schedules import Event, Schedule, Timeline
 
 from pipeline.compute.activations import ActivationTracker, MemoryReport
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
@@ -158,7 +158,7 @@ class DistRunner:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The local layers' state; sharded entries whole (every replica must call it)."""
         return {
-            f"{index}.{name}": tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            f"{index}.{name}": tensor.full_tensor() if is_dtensor(tensor) else tensor
             for index in self.local_layers
             for name, tensor in self.model[index].state_dict().items()
         }
@@ -360,7 +360,9 @@ class DistRunner:
 
 def _like(parameter: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a gradient of ``parameter``: a DTensor shard where it is one."""
-    if isinstance(parameter, DTensor):
+    if is_dtensor(parameter):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(local, parameter.device_mesh, parameter.placements,
                                   shape=parameter.shape, stride=parameter.stride())
     return local

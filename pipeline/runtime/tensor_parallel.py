@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.group.distributed import TensorParallel
 
 
@@ -37,5 +37,5 @@ def send_shards(last_layers: Sequence[nn.Module]) -> None:
 
 
 def _local_outputs(module: nn.Module, inputs: Any, outputs: Any) -> Any:
-    return pytree.tree_map(lambda leaf: leaf.to_local() if isinstance(leaf, DTensor) else leaf,
+    return pytree.tree_map(lambda leaf: leaf.to_local() if is_dtensor(leaf) else leaf,
                            outputs)
