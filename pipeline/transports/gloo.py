@@ -172,9 +172,11 @@ class GlooTransport:
         """The header of ``metas`` and ``kind``, stamped with this call."""
         known = self._headers.get((metas, kind))
         if known is None:
-            written = encode_header(metas, kind)
-            check_announces(written, metas)  # once per distinct header
-            with torch.inference_mode(False):  # kept for later calls (see BufferPool.take)
+            # Kept and stamped in place by later calls, which may run outside the inference
+            # mode this one runs in: made as a normal tensor (see BufferPool.take).
+            with torch.inference_mode(False):
+                written = encode_header(metas, kind)
+                check_announces(written, metas)  # once per distinct header
                 known = self._headers[(metas, kind)] = (written.to(self.device), [-1])
         header, stamped = known
         if stamped[0] != self._call:
