@@ -1,4 +1,12 @@
-"""Run a function on N local gloo processes: single-host experiments, tests and benchmarks."""
+"""Run a function on N local gloo processes: single-host experiments, tests and benchmarks.
+
+The processes are forked from multiprocessing's fork server, which has imported torch and
+pipeline once (``PRELOAD``): a rank starts in about 0.1 s instead of the 1-2 s of a fresh
+interpreter importing them (``spawn``, used where there is no fork server). Each rank
+still gets the caller's ``sys.path``, working directory and environment as they are at
+the call (the environment is handed over explicitly: a forked rank would otherwise
+see the fork server's, taken when it started).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,16 @@ from typing import Any
 
 
 FAILED_PEER_GRACE = 30.0  # seconds the other ranks get to answer once one has failed
+PRELOAD = ("torch", "torch.distributed", "pipeline")  # imported once, by the fork server
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from: the fork server where there is one."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
+        return context
+    return multiprocessing.get_context("spawn")
 
 
 def free_port() -> int:
@@ -32,7 +50,9 @@ def end_processes(processes: Sequence[Any], grace: float) -> None:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any,
-           args: tuple[Any, ...], threads: int, pin: bool) -> None:
+           args: tuple[Any, ...], threads: int, pin: bool, environment: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     import torch
     import torch.distributed as dist
 
@@ -64,7 +84,7 @@ def run_ranks_raw(
     threads: int = 1,
     pin: bool = False,
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks of this host.
+    """Run ``fn(rank, world, *args)`` on ``world`` new gloo ranks of this host.
 
     Args:
         fn: an importable (module-level) function; its return value must pickle.
@@ -79,12 +99,13 @@ def run_ranks_raw(
         ``FAILED_PEER_GRACE`` after another rank failed), reports an error too. Every
         process has ended when this returns.
     """
-    context = multiprocessing.get_context("spawn")
+    context = _context()
     results = context.Queue()
     port = free_port()
+    environment = dict(os.environ)
     processes = [
         context.Process(target=_entry, daemon=True,
-                        args=(fn, rank, world, port, results, args, threads, pin))
+                        args=(fn, rank, world, port, results, args, threads, pin, environment))
         for rank in range(world)
     ]
     for process in processes:

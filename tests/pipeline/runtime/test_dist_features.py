@@ -105,8 +105,10 @@ def four_ranks() -> list[dict[str, Any]]:
 
 
 def _spawned_children() -> list[int]:
-    """This process's children started by multiprocessing's spawn (not its resource tracker)."""
-    children = []
+    """The rank processes ``run_ranks`` started for this process and left running: forked by
+    its fork server (a child of this process), or spawned (``spawn_main``) where there is none;
+    not the fork server itself, nor the resource tracker."""
+    processes: dict[int, tuple[int, bytes]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -115,10 +117,11 @@ def _spawned_children() -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == os.getpid() and b"spawn_main" in cmdline:
-            children.append(int(entry))
-    return children
+        processes[int(entry)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmdline)
+    servers = {pid for pid, (parent, cmdline) in processes.items()
+               if parent == os.getpid() and b"forkserver" in cmdline}
+    return [pid for pid, (parent, cmdline) in processes.items()
+            if parent in servers or (parent == os.getpid() and b"spawn_main" in cmdline)]
 
 
 def test_a_rank_that_raises_fails_every_rank_quickly_naming_it(
