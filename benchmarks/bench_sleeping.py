@@ -25,14 +25,16 @@ measured makespan is the executor's time between actions (sends, receives). The 
 (issue 33): measured within 5% of the simulator for ZB-H1 and ZB-V, and a gain of at
 least 80% of the simulated one. Exits 1 when a bar is missed.
 
-Measured on the shared 2-core host (3 launches, 4 steps after 1, load 3-5): at 50 ms
-ZB-H1 1.037 of the simulator and 0.97 of its gain, ZB-V 1.061 and 0.90 (1F1B 1.025);
-at 20 ms ZB-H1 1.081 and 0.98, ZB-V 1.151 and 0.76. The gap is a fixed cost per action,
-not the order of actions or waits: each action ran 0.5-0.9 ms past its sleep (a bare
-sleep overshoots 0.1-0.15 ms), the executor spent about 0.4 ms between actions, and a
-hop cost about 1 ms; the replay of the measured actions with that hop delay comes
-within 0.2-1.6% of the measured makespan at 50 ms (0.7-3.7% at 20 ms). ZB-V runs twice the actions of ZB-H1 (48 a stage
-at M=8) at half the cost each, so the same cost per action weighs twice as much.
+Measured on the 2-core host, quiet (3 launches, 4 steps after 1): at 50 ms ZB-H1 1.032
+of the simulator and 1.00 of its gain, ZB-V 1.055 and 0.93 (1F1B 1.025); at 20 ms (load
+3-5) ZB-H1 1.107 and 0.93, ZB-V 1.171 and 0.75. The gap is a fixed cost per action, not
+the order of actions or waits: each action runs 0.5-0.9 ms past its sleep (a bare sleep
+overshoots 0.1-0.15 ms; Python right after a sleep runs 5-7x slower than back to back,
+its caches cold), the executor spends about 0.4 ms between actions, and a hop costs
+0.7-1 ms; the replay of the measured actions with that hop delay comes within 0.2-1.6%
+of the measured makespan at 50 ms (0.7-3.7% at 20 ms). ZB-V runs twice the actions of
+ZB-H1 (48 a stage at M=8) at half the cost each, so the same cost per action weighs
+twice as much.
 """
 
 from __future__ import annotations
