@@ -17,16 +17,9 @@ from torch import nn
 
 from split_backward import ChunkSplit, WeightGradients
 from split_backward.switched_layers import _AttentionForward, _LinearForward
+from split_models import float64  # noqa: F401  (autouse: this module runs in float64)
 
 TOLERANCE = 1e-10
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
 
 
 class TiedHead(nn.Module):
@@ -165,20 +158,22 @@ def test_three_dimensional_inputs():
     _compare(_mlp, rows=3, shape=(5, 16))
 
 
-def test_linear_used_twice_and_tied_weights_accumulate_once():
-    def hooks(model):
-        calls = {}
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, seen=calls.setdefault(name, []): seen.append(p.grad.clone()))
-        return calls
+def _record_post_accumulate(model):
+    """Per parameter name, each gradient its post-accumulate hook saw."""
+    calls = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, seen=calls.setdefault(name, []): seen.append(p.grad.clone()))
+    return calls
 
+
+def test_linear_used_twice_and_tied_weights_accumulate_once():
     def tied():
         first, second = nn.Linear(16, 16), nn.Linear(16, 16)
         second.weight = first.weight
         return nn.Sequential(first, nn.Tanh(), second, Twice())
 
-    _, _, (mine, theirs) = _compare(tied, microbatches=3, hooks=hooks)
+    _, _, (mine, theirs) = _compare(tied, microbatches=3, hooks=_record_post_accumulate)
     assert list(mine) == list(theirs) and len(mine) == 5  # the tied weight once
     for name in mine:  # once per micro-batch, each seeing the whole gradient
         assert len(mine[name]) == len(theirs[name]) == 3, name
@@ -392,15 +387,9 @@ def test_separate_projection_weights_defer():
 
 
 def test_attention_weight_read_elsewhere_and_attention_called_twice_accumulate_once():
-    def hooks(model):
-        calls = {}
-        for name, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, seen=calls.setdefault(name, []): seen.append(p.grad.clone()))
-        return calls
-
     for build in (lambda: Attention(tied=True), lambda: nn.Sequential(*[Attention()] * 2)):
-        _, _, (mine, theirs) = _compare(build, rows=3, shape=(5, 16), hooks=hooks)
+        _, _, (mine, theirs) = _compare(build, rows=3, shape=(5, 16),
+                                        hooks=_record_post_accumulate)
         assert list(mine) == list(theirs)
         for name in mine:
             wanted = 0 if "memory" in name else 3  # unused without cross-attention

@@ -16,16 +16,9 @@ from torch.nn.utils import parametrizations
 
 from split_backward import ChunkSplit
 from split_backward.graph_split import backward_input
+from split_models import Block, float64  # noqa: F401  (float64: autouse)
 
 TOLERANCE = 1e-12
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
 
 
 class Hooked(nn.Module):
@@ -54,19 +47,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids):
         return self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
-
-
-class Block(nn.Module):
-    def __init__(self, dim=16):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attention = nn.MultiheadAttention(dim, 2, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attention(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
 
 
 class TiedHead(nn.Module):

@@ -15,14 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 from split_backward.graph_split import backward_input
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+from split_models import Block, float64  # noqa: F401  (float64: autouse)
 
 
 def _outputs(value):
@@ -74,19 +67,6 @@ def _compare(module, make_input, grad_input=True, loss=None, seed=0, accumulate=
         assert read(module) == read(reference) and all(count >= 1 for count in read(reference))
     if expect_calls is not None:
         assert expect_calls(module) == expect_calls(reference) and min(expect_calls(reference)) >= 1
-
-
-class Block(nn.Module):
-    def __init__(self, dim=16, heads=2):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        h = self.norm1(x)
-        x = x + self.attention(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
 
 
 class Bottleneck(nn.Module):
