@@ -102,6 +102,9 @@ class TorchStage:
         import torch
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+        from pipeline.runtime.freed_pages import keep_freed_pages
+
+        keep_freed_pages()  # host memory as a CPU Pipe has it, so that only the runtimes differ
         self.module = module
         stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]

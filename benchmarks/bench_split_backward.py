@@ -27,12 +27,11 @@ The bars (issue 33): ``auto``'s (I + W) / B <= 1.08 on gpt, <= 1.10 on resnet,
 <= 1.5 on linear, and no slower than the graph split's and torch's. Exits 1 when a
 bar is missed.
 
-With ``--keep-pages`` glibc keeps the memory freed between rounds (``mallopt``: no
-trimming, no mmap below 32 MiB; what ``MALLOC_TRIM_THRESHOLD_`` and
-``MALLOC_MMAP_THRESHOLD_`` do from the environment), as a GPU's caching allocator
-does. Without it, the gradients I holds for W push the allocations after them onto
-pages glibc gave back at the last round's end, and I pays those pages' faults where
-B reuses the buffers it just freed.
+Freed memory is kept as a CPU ``Pipe`` keeps it (``pipeline.runtime.freed_pages``: glibc
+asked not to trim its heap nor to map blocks under 32 MiB apart), as a GPU's caching
+allocator does. With ``--glibc-defaults`` glibc keeps its own thresholds: the gradients I
+holds for W then push the allocations after them onto pages glibc gave back at the last
+round's end, and I pays those pages' faults where B reuses the buffers it just freed.
 
 With ``--memory`` it instead prints, for 1F1B and three split schedules, what ``plan``
 predicts each stage's peak activation bytes to be against what ``pipe.measure_memory()``
@@ -49,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import statistics
 import sys
 import time
@@ -65,6 +63,8 @@ from torch.distributed.pipelining._backward import (  # noqa: E402
     stage_backward_input,
     stage_backward_weight,
 )
+
+from pipeline.runtime.freed_pages import keep_freed_pages  # noqa: E402
 
 
 BARS = {"gpt": 1.08, "resnet": 1.10, "linear": 1.5, "hf-gpt2": 1.08}
@@ -100,16 +100,6 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.relu(self.body(x) + x)
-
-
-def keep_freed_pages() -> bool:
-    """Ask glibc to keep freed memory for reuse; False where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    trim_threshold, mmap_threshold = -1, -3  # mallopt's M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
-    return bool(libc.mallopt(trim_threshold, 2**31 - 1)) and bool(libc.mallopt(mmap_threshold, 32 << 20))
 
 
 def make_stage(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -310,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="plan's predicted activation memory against the measured instead")
     parser.add_argument("--device", default="cpu", help="where the stages run (cuda: timed "
                         "with synchronisation; the caching allocator keeps pages anyway)")
-    parser.add_argument("--keep-pages", action="store_true",
-                        help="glibc keeps freed memory (as a caching allocator does)")
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave glibc's malloc thresholds alone (a CPU Pipe sets them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.keep_pages and not keep_freed_pages():
-        parser.error("--keep-pages needs glibc's mallopt")
+    if not args.glibc_defaults:
+        keep_freed_pages()
     if args.pipe:
         pipe_table(steps=4)
         return 0

@@ -92,6 +92,9 @@ class Torch:
             ScheduleZBVZeroBubble,
         )
 
+        from pipeline.runtime.freed_pages import keep_freed_pages
+
+        keep_freed_pages()  # host memory as a CPU Pipe has it, so that only schedules differ
         model = make_model()
         if kind == "zbv":  # V placement: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
             indices = (0, 3) if rank == 0 else (1, 2)

@@ -26,6 +26,7 @@ from pipeline.group.distributed import Distributed, layout_of
 from pipeline.group.ranks import RankGroup, Ranks
 from pipeline.model_like import ModelLike
 from pipeline.runtime.build import processes
+from pipeline.runtime.freed_pages import keep_freed_pages
 from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.arguments import refuse_old_keywords, split_sample
@@ -216,6 +217,8 @@ class Pipe(ModelLike):
 
     def _build_runner(self) -> Runner:
         assert self._balance is not None
+        if any(device.type == "cpu" for device in self._devices):
+            keep_freed_pages()
         self._recent.clear()
         self._pending = None
         runner = self._processes.build_runner(self.model, self._balance, self._schedule,
