@@ -1,4 +1,5 @@
-"""pipe-balance in a subprocess: the table, JSON and PNG it writes, and one-line errors (exit 2)."""
+"""pipe-balance: the table, JSON and PNG it writes, and one-line errors (exit 2), in a subprocess
+where the process is what is tested (the console script, ``-m``, exit statuses), else in process."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,25 +55,6 @@ def test_console_script_writes_table_json_and_png(tmp_path: Path) -> None:
     assert out_png.stat().st_size > 10_000
 
 
-def test_a_model_as_written_is_traced_into_units(tmp_path: Path) -> None:
-    """A factory returning a Hugging Face Llama, token ids as input: its units are cut."""
-    result = run(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
-                  "--stages", "2", "--threads", "1", "--repeat", "1", "--no-progress",
-                  "--json", "o.json"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    data = json.loads((tmp_path / "o.json").read_text())
-    assert sum(data["balance"]) == 5 and len(data["balance"]) == 2  # prologue, 3 blocks, epilogue
-
-
-def test_module_run_with_memory_limit_and_bandwidth(tmp_path: Path) -> None:
-    result = run(
-        ["cli_factories:mlp", "--input-shape", "16,32", "--stages", "3", "--threads", "1",
-         "--memory-limit", "1GiB", "--bandwidth", "10GB/s", "--no-progress", "--json", "o.json"],
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
-    assert sum(json.loads((tmp_path / "o.json").read_text())["balance"]) == 12
 
 
 SUBPROCESS_ERRORS = [
@@ -94,6 +77,46 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("pipe-balance: error: ")
     assert message in lines[0]
+
+
+# In process from here on (main() with the arguments a shell would pass): a fresh interpreter
+# costs seconds of imports, and what these check is the CLI's work, not the process's.
+# The tests above keep the console script, ``python -m partitioners`` and exit statuses.
+
+
+def test_a_model_as_written_is_traced_into_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A factory returning a Hugging Face Llama, token ids as input: its units are cut."""
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.chdir(tmp_path)
+    status = main(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
+                   "--stages", "2", "--threads", "1", "--repeat", "1", "--no-progress",
+                   "--json", "o.json"])
+    assert status == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert sum(data["balance"]) == 5 and len(data["balance"]) == 2  # prologue, 3 blocks, epilogue
+
+
+def test_a_run_with_memory_limit_and_bandwidth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(HERE))
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        # Python's default filters, as a fresh interpreter's stderr would show warnings
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                       ResourceWarning):
+            warnings.filterwarnings("ignore", category=hidden)
+        status = main(["cli_factories:mlp", "--input-shape", "16,32", "--stages", "3",
+                       "--threads", "1", "--memory-limit", "1GiB", "--bandwidth", "10GB/s",
+                       "--no-progress", "--json", "o.json"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert err == "" and [str(warning.message) for warning in caught] == []
+    assert sum(json.loads((tmp_path / "o.json").read_text())["balance"]) == 12
 
 
 @pytest.mark.parametrize(
