@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import multiprocessing
 import sys
 import threading
 import time
@@ -23,6 +24,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from examples.gpt import IGNORE_INDEX, gpt, lm_loss  # noqa: E402
+from pipeline.group.launch import PRELOAD  # noqa: E402
 
 
 MODES = ("always", "except_last", "never")
@@ -170,6 +172,34 @@ def budgeted_part(report: Report, part: str, label: str, needed: float, most: fl
         report.outcome(part, "HANG", label, f"not done in {seconds:.0f} s")
     elif status == "error":
         report.outcome(part, "FAIL", label, short(value))
+
+
+# What the fork server of gpu_check's ranks imports once: run_ranks' modules, and the DTensor
+# modules that examples/gpt.py's tensor-parallel plan imports (about a second of each rank's
+# start otherwise). None of them touches CUDA. (By name: Python 3.11's fork server imports
+# them on its own sys.path, which has neither benchmarks/ nor examples/.)
+RANK_PRELOAD = (*PRELOAD, "torch.distributed.tensor.parallel")
+
+
+def rank_context() -> Any:
+    """The multiprocessing context parts 4 and 6 start their ranks from: a fork server that
+    has imported ``RANK_PRELOAD`` and never touched CUDA, so that a rank forked from it
+    starts in a fraction of a second and may still take a GPU; spawn (a fresh interpreter
+    importing torch, seconds) where there is no fork server."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(RANK_PRELOAD))
+    return context
+
+
+def start_rank_server() -> None:
+    """Start ``rank_context``'s fork server now: it imports ``RANK_PRELOAD`` (seconds) while
+    the first parts run, instead of when the first ranks start."""
+    if rank_context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def join_group(rank: int, world: int, port: int, backend: str, timeout: float) -> torch.device:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import multiprocessing
 import os
 import queue as queue_module
 import time
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, Sizes, join_group,
-                         layer_grads, make_batch, make_gpt, short)
+                         layer_grads, make_batch, make_gpt, rank_context, short)
 from examples.gpt import lm_loss  # importable once _gpu_common has put the root on sys.path
 
 # (data parallelism, schedule, checkpoint mode); replicated 1F1B is the bytes' baseline.
@@ -159,7 +158,7 @@ def run_shape(report: Report, backend: str, shape: tuple[int, int, int], labels:
     from pipeline.group.launch import end_processes, free_port
 
     world = math.prod(shape)
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=rank_main, daemon=True,

@@ -8,7 +8,6 @@ starts fresh ones for the rest while the budget lasts.
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import os
 import queue as queue_module
 import time
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from _gpu_common import (EXACT_CPU, EXACT_GPU, TOLERANCE, Report, grad_error, join_group,
-                         lm_loss, make_batch, make_gpt, reference_grads, short)
+                         lm_loss, make_batch, make_gpt, rank_context, reference_grads, short)
 
 
 
@@ -92,7 +91,7 @@ class Ranks:
                  timeout: float) -> None:
         from pipeline.group.launch import free_port
 
-        context = multiprocessing.get_context("spawn")
+        context = rank_context()
         self.results = context.Queue()
         port = free_port()
         self.processes = [
@@ -130,10 +129,11 @@ class Ranks:
     def missing(self, name: str) -> list[int]:
         return sorted(set(range(2)) - set(self.answers[name]))
 
-    def close(self) -> None:
+    def close(self, hung: bool = False) -> None:
+        """End the ranks: those that finished get 2 s to leave; hung ones are killed at once."""
         from pipeline.group.launch import end_processes
 
-        end_processes(self.processes, grace=2.0)
+        end_processes(self.processes, grace=0.0 if hung else 2.0)
 
 
 def launch_ranks(report: Report, backend: str, schedules: list[str], stall_in: str | None,
@@ -141,6 +141,7 @@ def launch_ranks(report: Report, backend: str, schedules: list[str], stall_in: s
     """Run ``schedules`` on two fresh ranks; return those left to run after a HANG."""
     ranks = Ranks(backend, schedules, stall_in, timeout)
     deadline = time.monotonic() + startup + watchdog  # the first also waits for start-up
+    state = "done"
     try:
         for index, name in enumerate(schedules):
             state = ranks.wait_for(name, report, deadline)
@@ -166,7 +167,7 @@ def launch_ranks(report: Report, backend: str, schedules: list[str], stall_in: s
             return []
         return []
     finally:
-        ranks.close()
+        ranks.close(hung=state == "hang")
 
 
 def two_ranks(report: Report, backend: str, schedules: list[str], stall_in: str | None,

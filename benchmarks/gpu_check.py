@@ -64,7 +64,8 @@ import torch
 
 from _gpu_common import (BF16_CPU, BF16_GPU, EXACT_CPU, EXACT_GPU, MODES, PREDICT_GPU,
                          TOLERANCE, Report, Sizes, bounded, budgeted_part, grad_error, lm_loss,
-                         make_batch, make_gpt, reference_grads, short)
+                         make_batch, make_gpt, reference_grads, short,
+                         start_rank_server)
 from _gpu_mesh import mesh_part
 from _gpu_ranks import two_ranks
 
@@ -253,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: nothing to check", flush=True)
         return 0
     device = "cpu" if dry else "cuda:0"
+    if args.gloo or (not dry and torch.cuda.device_count() >= 2):  # parts 4 and 6 start ranks
+        start_rank_server()
     if dry:
         report.line("env", "--cpu-dry-run: parts 2, 3 and 5 on the CPU at tiny sizes")
     exact_sweep(report, device, EXACT_CPU if dry else EXACT_GPU, args.schedules,
