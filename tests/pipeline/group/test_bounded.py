@@ -10,6 +10,8 @@ within 6 s on every rank that waits for it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -18,19 +20,35 @@ import bounded_workers
 from bounded_workers import BOUND
 from dist_harness import in_turn, run_ranks
 
+TWO_RANK_CALLS = {"dropped": (bounded_workers.dropped_pipes, (20,)),
+                  "gloo": (bounded_workers.lone_validation, ("gloo",)),
+                  "ordered": (bounded_workers.lone_validation, ("ordered",)),
+                  "silent": (bounded_workers.silent_during_every_call, ())}
+
 
 @pytest.fixture(scope="module")
-def two_ranks() -> dict[str, list[Any]]:
-    """One spawn of 2 ranks (each spawn costs seconds): ``dropped_pipes`` on the world group,
-    the gloo then the ordered transport's ``lone_validation`` (each leaves the Pipe on its
-    fresh group broken), and ``silent_during_every_call`` last, whose Pipes are on fresh
-    groups and whose rank 1 goes silent. Per call, each rank's result."""
-    calls = {"dropped": (bounded_workers.dropped_pipes, (20,)),
-             "gloo": (bounded_workers.lone_validation, ("gloo",)),
-             "ordered": (bounded_workers.lone_validation, ("ordered",)),
-             "silent": (bounded_workers.silent_during_every_call, ())}
-    per_rank = run_ranks(in_turn, 2, list(calls.values()), timeout=240)
-    return {name: [results[index] for results in per_rank] for index, name in enumerate(calls)}
+def launches() -> Iterator[dict[str, Future[list[Any]]]]:
+    """Both launches of this file at once, 2 ranks and 4: their ranks mostly wait (for a
+    timeout, a silent rank, a stalled replica), so the waits overlap instead of adding up."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {
+            "two_ranks": pool.submit(run_ranks, in_turn, 2, list(TWO_RANK_CALLS.values()),
+                                     timeout=240),
+            "replica_failures": pool.submit(run_ranks, in_turn, 4,
+                                            [(bounded_workers.replica_fails, case)
+                                             for case in REPLICA_FAILURES], timeout=280),
+        }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launches: dict[str, Future[list[Any]]]) -> dict[str, list[Any]]:
+    """One launch of 2 ranks: ``dropped_pipes`` on the world group, the gloo then the ordered
+    transport's ``lone_validation`` (each leaves the Pipe on its fresh group broken), and
+    ``silent_during_every_call`` last, whose Pipes are on fresh groups and whose rank 1 goes
+    silent. Per call, each rank's result."""
+    per_rank = launches["two_ranks"].result()
+    return {name: [results[index] for results in per_rank]
+            for index, name in enumerate(TWO_RANK_CALLS)}
 
 
 def test_a_silent_peer_bounds_every_call_by_the_timeout(two_ranks: dict[str, list[Any]]) -> None:
@@ -76,11 +94,11 @@ REPLICA_FAILURES = (
 
 
 @pytest.fixture(scope="module")
-def replica_failures() -> list[list[tuple[str, float, bool]]]:
-    """One spawn of 4 ranks, each case on its own mesh in turn: per rank, per case, its
+def replica_failures(launches: dict[str, Future[list[Any]]]
+                     ) -> list[list[tuple[str, float, bool]]]:
+    """One launch of 4 ranks, each case on its own mesh in turn: per rank, per case, its
     step's (outcome, seconds, gradients untouched)."""
-    calls = [(bounded_workers.replica_fails, case) for case in REPLICA_FAILURES]
-    return run_ranks(in_turn, 4, calls, timeout=280)
+    return launches["replica_failures"].result()
 
 
 @pytest.mark.parametrize("case", range(len(REPLICA_FAILURES)))
