@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from schedules.action import Action, Op
+from schedules._speed import OP_F
+from schedules.action import Action
 from schedules.dependencies import ActionKey
 
 Kind = Literal["send", "recv"]
@@ -87,7 +88,7 @@ class Message:
                  consumer_index: int) -> None:
         self.producer, self.source, self.produced_at = producer, source, produced_at
         self.destination, self.consumer_index = destination, consumer_index
-        self.channel = ACTIVATIONS if producer.op is Op.F else GRADIENTS
+        self.channel = ACTIVATIONS if producer.op is OP_F else GRADIENTS
         self.moved = False
 
     def op(self, kind: Kind, channel: int | None = None) -> CommOp:

@@ -38,6 +38,7 @@ from typing import Any, Literal, Union, cast
 
 from schedules.dependencies import crossings
 from schedules.checkpointing import CHECKPOINT_MODES, CheckpointMode, recomputed
+from schedules._speed import OP_F, OP_W
 from schedules.action import Op, Schedule
 
 Value = Union[float, Sequence[float]]
@@ -226,8 +227,8 @@ class ResolvedCosts:
     def duration(self, op: Op, microbatch: int, chunk: int) -> float:
         """The time of one action, recomputation and micro-batch scale included."""
         time = self.compute[chunk][op]
-        if op is not Op.F and op is not Op.W and self.recomputed[microbatch]:
-            time += self.compute[chunk][Op.F]
+        if op is not OP_F and op is not OP_W and self.recomputed[microbatch]:
+            time += self.compute[chunk][OP_F]
         return time * self.scale[microbatch]
 
     def hop(self, producer_chunk: int, consumer_chunk: int, microbatch: int) -> float:

@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from schedules._speed import OP_B, OP_F, OP_I, OP_W
 from schedules.action import Action, Op, Schedule
 
 ActionKey = tuple[Op, int, int]
@@ -13,14 +14,14 @@ ActionKey = tuple[Op, int, int]
 
 def dependency_keys(schedule: Schedule, op: Op, microbatch: int, chunk: int) -> tuple[ActionKey, ...]:
     """The rule itself, on ``(op, microbatch, chunk)`` keys; see ``dependencies``."""
-    if op is Op.F:
-        return ((Op.F, microbatch, chunk - 1),) if chunk > 0 else ()
-    if op is Op.W:
-        return ((Op.I, microbatch, chunk),)
+    if op is OP_F:
+        return ((OP_F, microbatch, chunk - 1),) if chunk > 0 else ()
+    if op is OP_W:
+        return ((OP_I, microbatch, chunk),)
     if chunk == schedule.chunks - 1:
-        return ((Op.F, microbatch, chunk),)
-    later_op = Op.I if (microbatch, chunk + 1) in schedule.split_backward else Op.B
-    return ((Op.F, microbatch, chunk), (later_op, microbatch, chunk + 1))
+        return ((OP_F, microbatch, chunk),)
+    later_op = OP_I if (microbatch, chunk + 1) in schedule.split_backward else OP_B
+    return ((OP_F, microbatch, chunk), (later_op, microbatch, chunk + 1))
 
 
 def received(schedule: Schedule, action: Action) -> ActionKey | None:

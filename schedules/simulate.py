@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from schedules._speed import gc_paused
+from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
 from schedules.action import Action, Op, Schedule
 from schedules.costs import Comm, Costs, ResolvedCosts, checked_value
 from schedules.dependencies import ActionKey
@@ -210,17 +210,17 @@ def _memory_traces(
             scale, recomputed = table.scale[m], table.recomputed[m]
             # A recomputed micro-batch keeps its input, then holds what the forward saves.
             whole = max(saved[c], kept[c]) if recomputed else saved[c]
-            if op is Op.F:
+            if op is OP_F:
                 held += (kept[c] if recomputed else whole) * scale
                 _step(times, values, event.start, held)
                 continue
-            if recomputed and op is not Op.W:  # B or I re-runs the forward first
+            if recomputed and op is not OP_W:  # B or I re-runs the forward first
                 held += (whole - kept[c]) * scale
                 _step(times, values, event.start, held)
             # A split backward has no B: I frees what W does not read, W the rest.
             left_for_w = for_weights[c]
-            freed = {Op.B: whole, Op.I: whole - left_for_w, Op.W: left_for_w}[op]
-            if freed or op is not Op.I:
+            freed = whole if op is OP_B else whole - left_for_w if op is OP_I else left_for_w
+            if freed or op is not OP_I:
                 held -= freed * scale
                 _step(times, values, event.end, held)
         traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))

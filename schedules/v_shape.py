@@ -74,6 +74,7 @@ from functools import lru_cache
 from typing import Literal, NamedTuple
 
 from schedules._checks import check_counts
+from schedules._speed import OP_F, OP_I, OP_W
 from schedules.action import Action, Op, Schedule
 from schedules.dependencies import dependency_keys
 
@@ -302,24 +303,20 @@ class _CappedReplay:
             step += 1
         return step, tuple(tuple(actions) for actions in self.orders)
 
-    def _ready(self, entry: _Entry, step: int) -> bool:
-        finished = self.finished
-        for number in entry.needs:
-            if finished[number] > step:
-                return False
-        return True
-
     def _fits(self, stage: int, action: Action) -> bool:
-        if action.op is not Op.F:
+        if action.op is not OP_F:
             return True
         need = self.down_need if action.chunk == stage else 1
         return self.held[stage] + need <= self.cap
 
     def _choose(self, stage: int, step: int) -> _Entry | Action | None:
         """The first ready action in the window, else (or when the cap refuses the head) a W."""
-        entries, pending = self.lists[stage], self.pending[stage]
+        entries, pending, finished = self.lists[stage], self.pending[stage], self.finished
         for index, entry in enumerate(entries[: self.window]):
-            if self._ready(entry, step):
+            for number in entry.needs:  # ready: all it needs has finished (hot: inlined)
+                if finished[number] > step:
+                    break
+            else:
                 if self._fits(stage, entry.action):
                     return entries.pop(index)
                 if index == 0 and pending:
@@ -335,7 +332,7 @@ class _CappedReplay:
         """
         entries, finished = self.lists[stage], self.finished
         for index, entry in enumerate(entries):
-            for number in entry.needs:  # self._ready, inlined: this loop is the search's hot spot
+            for number in entry.needs:  # ready, as in _choose: the search's hot spot
                 if finished[number] > step:
                     break
             else:
@@ -350,12 +347,14 @@ class _CappedReplay:
         else:
             action = chosen  # a W: nothing in the lists waits for it
         self.orders[stage].append(action)
-        self.held[stage] += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
-        if action.op is Op.I:
-            self.pending[stage].append(Action(Op.W, action.microbatch, action.chunk))
+        op = action.op
+        self.held[stage] += _HELD_CHANGE[op]
+        if op is OP_I:
+            self.pending[stage].append(Action(OP_W, action.microbatch, action.chunk))
 
 
 _NEVER = 1 << 62
+_HELD_CHANGE = {OP_F: 1, OP_I: 0, OP_W: -1}  # activations a stage holds after each op
 
 
 def _critical_order(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from schedules._speed import gc_paused
+from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
 from schedules.action import Action, Op, Schedule, ScheduleError, format_order
 from schedules.dependencies import ActionKey, dependencies, replay, stage_of
 
@@ -66,7 +66,7 @@ def _fail(
 def _check_placement(schedule: Schedule) -> None:
     for stage, actions in enumerate(schedule.order):
         for index, action in enumerate(actions):
-            if schedule.forward_only and action.op is not Op.F:
+            if schedule.forward_only and action.op is not OP_F:
                 raise _fail(
                     schedule,
                     f"stage {stage} runs {action}, but a forward-only schedule runs "
@@ -139,9 +139,9 @@ def _check_completeness(schedule: Schedule, present: set[tuple[Op, int, int]]) -
 def _missing_op(
     schedule: Schedule, present: set[tuple[Op, int, int]], microbatch: int, chunk: int
 ) -> Op | None:
-    has_i = (Op.I, microbatch, chunk) in present
-    has_w = (Op.W, microbatch, chunk) in present
-    if (Op.B, microbatch, chunk) in present and (has_i or has_w):
+    has_i = (OP_I, microbatch, chunk) in present
+    has_w = (OP_W, microbatch, chunk) in present
+    if (OP_B, microbatch, chunk) in present and (has_i or has_w):
         stage = schedule.placement[chunk]
         raise _fail(
             schedule,
@@ -150,14 +150,14 @@ def _missing_op(
             stage,
             0,
         )
-    if (Op.F, microbatch, chunk) not in present:
-        return Op.F
+    if (OP_F, microbatch, chunk) not in present:
+        return OP_F
     if schedule.forward_only:
         return None
     if has_i != has_w:
-        return Op.W if has_i else Op.I
-    if not has_i and (Op.B, microbatch, chunk) not in present:
-        return Op.B
+        return OP_W if has_i else OP_I
+    if not has_i and (OP_B, microbatch, chunk) not in present:
+        return OP_B
     return None
 
 

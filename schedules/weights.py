@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from schedules._speed import OP_F, OP_I, OP_W
 from schedules.action import Action, Op, Schedule
 from schedules.dependencies import ActionKey, dependency_keys
 
@@ -105,6 +106,9 @@ def add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, 
     return tuple(tuple(actions) for actions in replay.orders)
 
 
+_HELD_CHANGE = {OP_F: 1, OP_I: 0, OP_W: -1}  # activations a stage holds after each op
+
+
 class _UnitReplay:
     """The state of the unit-cost replay: where each stage is, what it holds and owes."""
 
@@ -125,7 +129,7 @@ class _UnitReplay:
             action = actions[self.position[stage]]
             needed = dependency_keys(self.critical, action.op, action.microbatch, action.chunk)
             ready = all(self.finished.get(key, step + 1) <= step for key in needed)
-            room = action.op is not Op.F or self.held[stage] < self.limit or not pending
+            room = action.op is not OP_F or self.held[stage] < self.limit or not pending
             if ready and room:
                 self.position[stage] += 1
                 return action
@@ -135,6 +139,7 @@ class _UnitReplay:
         """``stage`` ran ``action`` during ``step``; its result is there from ``step + 1``."""
         self.orders[stage].append(action)
         self.finished[(action.op, action.microbatch, action.chunk)] = step + 1
-        self.held[stage] += {Op.F: 1, Op.I: 0, Op.W: -1}[action.op]
-        if action.op is Op.I:
-            self.pending[stage].append(Action(Op.W, action.microbatch, action.chunk))
+        op = action.op
+        self.held[stage] += _HELD_CHANGE[op]
+        if op is OP_I:
+            self.pending[stage].append(Action(OP_W, action.microbatch, action.chunk))

@@ -24,6 +24,7 @@ is P stages' worth, 1F1B's peak. With F = I = W the bubble is then the ramp-up b
 from __future__ import annotations
 
 from schedules._checks import check_counts
+from schedules._speed import OP_F, OP_I
 from schedules.action import Action, Op, Schedule
 from schedules.weights import add_weight_gradients
 
@@ -68,7 +69,8 @@ def _forward_input_order(stage: int, stages: int, microbatches: int) -> tuple[Ac
     """The forwards and input gradients of one stage, in the paper's phases."""
     down, up = stage, 2 * stages - 1 - stage
     drawn = max(microbatches, 2 * stages - 1)
-    counts = {(Op.F, down): 0, (Op.F, up): 0, (Op.I, down): 0, (Op.I, up): 0}
+    f_down, f_up, i_down, i_up = (OP_F, down), (OP_F, up), (OP_I, down), (OP_I, up)
+    counts = {f_down: 0, f_up: 0, i_down: 0, i_up: 0}
     order: list[Action] = []
 
     def run(*steps: tuple[Op, int]) -> None:
@@ -77,17 +79,17 @@ def _forward_input_order(stage: int, stages: int, microbatches: int) -> tuple[Ac
             counts[(op, chunk)] += 1
 
     for _ in range(2 * (stages - stage) - 1):
-        run((Op.F, down))
+        run(f_down)
     for _ in range(stage):
-        run((Op.F, up), (Op.F, down))
+        run(f_up, f_down)
     for _ in range(stages - stage):
-        run((Op.F, up), (Op.I, up))
-    while counts[(Op.F, up)] < drawn:
-        if counts[(Op.F, down)] < drawn:
-            run((Op.F, down))
-        run((Op.I, down), (Op.F, up), (Op.I, up))
+        run(f_up, i_up)
+    while counts[f_up] < drawn:
+        if counts[f_down] < drawn:
+            run(f_down)
+        run(i_down, f_up, i_up)
     for _ in range(stage):
-        run((Op.I, down), (Op.I, up))
-    while counts[(Op.I, down)] < drawn:
-        run((Op.I, down))
+        run(i_down, i_up)
+    while counts[i_down] < drawn:
+        run(i_down)
     return tuple(action for action in order if action.microbatch < microbatches)
