@@ -357,6 +357,10 @@ def hop_time(comm: Comm, source: int, destination: int, nbytes: float) -> float:
 
 def _check_number(name: str, value: object, where: str = "") -> float:
     """``value`` as a float, or ValueError unless it is finite and >= 0 (NaN included)."""
+    if type(value) is float or type(value) is int:  # the common case, without the ABC check
+        number = float(value)
+        if 0.0 <= number < math.inf:
+            return number
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a number{where}, got {value!r}")
     number = float(value)
@@ -384,7 +388,13 @@ def checked_value(name: str, value: object) -> float | tuple[float, ...]:
     except TypeError:
         raise TypeError(f"{name}: expected a number or a sequence of numbers, "
                         f"got {value!r}") from None
-    return tuple(_check_number(f"{name} cost", v, f" (item {i})") for i, v in enumerate(values))
+    checked = []
+    for index, item in enumerate(values):
+        if type(item) is float and 0.0 <= item < math.inf:  # valid: no message to format
+            checked.append(item)
+        else:
+            checked.append(_check_number(f"{name} cost", item, f" (item {index})"))
+    return tuple(checked)
 
 
 def _checked_comm(comm: Comm) -> Comm:
