@@ -50,8 +50,9 @@ def brute_force(
                 if chunks > len(layers):
                     continue
                 schedule = get_schedule(name, stages, m, **dict(options))
+                fastest = time_cut(layers, chunks)  # the same for every mode
                 for mode in ("never", "except_last", "always"):
-                    cut = time_cut(layers, chunks)
+                    cut = fastest
                     while True:
                         timeline = simulate(schedule, costs=candidate_costs(
                             chunk_sums(layers, cut), scale, mode, hop))
