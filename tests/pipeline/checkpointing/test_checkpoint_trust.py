@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 
 from checkpoint_trust_workers import (
     BOUND,
+    BOUNDED_LAUNCHES,
     FRESH_OPTIMIZERS,
     SAVES,
     STALL,
@@ -341,15 +343,25 @@ def test_dcp_own_tools_still_read_the_directory(plain_checkpoint: Path, tmp_path
 
 @cache
 def _two_ranks(directory: str) -> list[list[Any]]:
+    """Per rank, each call's result. ``bounded_waits``, whose ranks mostly sleep or wait
+    (and leave broken groups), runs each of ``BOUNDED_LAUNCHES`` on two ranks of its own,
+    all while the others run; per rank, the cases' results in one dict, last."""
     base = Path(directory)
     _untied(base / "untied")
     calls = [(fresh_saves, (str(base / "fresh"),)), (untied_into_tied, (str(base / "untied"),)),
-             (corrupt_files, (str(base / "corrupt"),)), (hostile_peer, (str(base / "hostile"),)),
-             (bounded_waits, (str(base / "bounded"),))]  # leaves broken groups: last
-    for sub in ("fresh", "corrupt", "hostile", "bounded"):
+             (corrupt_files, (str(base / "corrupt"),)), (hostile_peer, (str(base / "hostile"),))]
+    for sub in ("fresh", "corrupt", "hostile"):
         (base / sub).mkdir(parents=True, exist_ok=True)
-    return [[_tensors(result) for result in results]
-            for results in run_ranks(in_turn, 2, calls)]
+    for index in range(len(BOUNDED_LAUNCHES)):
+        (base / f"bounded/{index}").mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=len(BOUNDED_LAUNCHES)) as pool:
+        waits = [pool.submit(run_ranks, bounded_waits, 2, str(base / f"bounded/{index}"), cases)
+                 for index, cases in enumerate(BOUNDED_LAUNCHES)]
+        others = run_ranks(in_turn, 2, calls)
+        bounded = [wait.result() for wait in waits]
+    return [[*(_tensors(result) for result in results),
+             {case: found for launch in bounded for case, found in launch[rank].items()}]
+            for rank, results in enumerate(others)]
 
 
 def _tensors(tree: Any) -> Any:
