@@ -307,18 +307,40 @@ def _hooked(model: nn.Module) -> dict[str, list[int]]:
     return fired
 
 
-def run_case(runtime: Runtime, name: str, schedule: str, mode: str, path: str = "graph") -> Row:
-    """One step of one case: gradient errors against the plain model, and hook counts."""
+@dataclass(frozen=True)
+class Reference:
+    """A case's model before any step, its batch, and the plain model's step on it: the same
+    for every schedule, mode and path of the case, so a sweep computes it once per case."""
+
+    model: nn.Sequential  # never run: each step trains a deep copy
+    x: torch.Tensor
+    y: torch.Tensor
+    plain: nn.Module  # the model after one plain step (its tensor hooks counted)
+    loss: nn.Module  # the plain step's loss, with its parameters' gradients
+    expected: dict[str, torch.Tensor]  # the plain model's gradients, by layer
+
+    @classmethod
+    def of(cls, name: str) -> Reference:
+        case = CASES[name]
+        model, (x, y) = _model(case), _batch()
+        plain, loss = copy.deepcopy(model), case.loss()
+        if case.hooks is not None:
+            case.hooks(plain)  # a deep copy leaves tensor hooks behind
+        loss(plain(x), y).backward()
+        return cls(model, x, y, plain, loss, zoo.per_layer_grads(plain))
+
+
+def run_case(runtime: Runtime, name: str, schedule: str, mode: str, path: str = "graph",
+             reference: Reference | None = None) -> Row:
+    """One step of one case: gradient errors against the plain model, and hook counts.
+
+    ``reference``: the case's ``Reference``, if already computed (else it is, here)."""
     from schedules import get_schedule
 
     case = CASES[name]
-    model, (x, y) = _model(case), _batch()
-    reference, reference_loss = copy.deepcopy(model), case.loss()
-    if case.hooks is not None:
-        case.hooks(reference)  # a deep copy leaves tensor hooks behind
-    reference_loss(reference(x), y).backward()
-    expected = zoo.per_layer_grads(reference)
-    trained, loss_fn = copy.deepcopy(model), copy.deepcopy(reference_loss)
+    reference = Reference.of(name) if reference is None else reference
+    x, y = reference.x, reference.y
+    trained, loss_fn = copy.deepcopy(reference.model), copy.deepcopy(reference.loss)
     loss_fn.zero_grad(set_to_none=True)
     per_stage = get_schedule(schedule, 2, CHUNKS).chunks // 2
     balance = list(case.balance if per_stage == 1 else case.balance_v)
@@ -327,14 +349,14 @@ def run_case(runtime: Runtime, name: str, schedule: str, mode: str, path: str = 
         case.hooks(trained)
     fired = _hooked(trained)
     pipe.step(x, y)
-    grad_error, compared = zoo.grad_errors(trained, expected)
+    grad_error, compared = zoo.grad_errors(trained, reference.expected)
     holds_loss = not runtime.distributed or pipe.schedule.placement[-1] == _rank()
     return {
         "grad_error": grad_error, "compared": compared,
-        "loss_grad_error": _loss_error(loss_fn, reference_loss) if holds_loss else 0.0,
+        "loss_grad_error": _loss_error(loss_fn, reference.loss) if holds_loss else 0.0,
         "hooks": sorted({count[0] for count in fired.values()}),
         "tensor_hooks": sorted(set(hook_calls(trained))),
-        "reference_tensor_hooks": sorted(set(hook_calls(reference))),
+        "reference_tensor_hooks": sorted(set(hook_calls(reference.plain))),
         "switched": sum("forward" in module.__dict__ for module in trained.modules()),
     }
 
@@ -358,13 +380,17 @@ def sweep(distributed: bool) -> list[Row]:
     runtime = Runtime(distributed)
     rows = []
     for name in CASES:
+        try:
+            reference: Reference | None = Reference.of(name)
+        except Exception:  # noqa: BLE001 - then each row of the case raises it as its error
+            reference = None
         for schedule in RANK_SCHEDULES if distributed else SCHEDULES:
             for mode in RANK_MODES if distributed else MODES:
                 for path in PATHS:
                     row: Row = {"case": name, "schedule": schedule, "mode": mode, "path": path,
                                 "error": None}
                     try:
-                        row.update(run_case(runtime, name, schedule, mode, path))
+                        row.update(run_case(runtime, name, schedule, mode, path, reference))
                     except Exception as error:  # noqa: BLE001 - reported per combination
                         row["error"] = zoo.failure_text(error)
                     rows.append(row)
