@@ -22,10 +22,11 @@ from typing import Any
 
 FAILED_PEER_GRACE = 30.0  # seconds the other ranks get to answer once one has failed
 # Imported once, by the fork server. With the DTensor, FSDP2 and distributed checkpoint
-# modules (about 1 s a rank otherwise, 2-3 s on 2 loaded cores) that mesh, data-parallel
-# and checkpoint ranks import; none of them touches CUDA or starts a thread.
+# modules that mesh, data-parallel and checkpoint ranks import, and torch._dynamo, which
+# FSDP2's first fully_shard imports: each 1 s or more a rank otherwise (2-4 s on 2 loaded
+# cores). None of them touches CUDA or starts a thread.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
-           "torch.distributed.checkpoint", "pipeline")
+           "torch.distributed.checkpoint", "torch._dynamo", "pipeline")
 
 
 def _context() -> Any:
