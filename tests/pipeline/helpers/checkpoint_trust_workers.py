@@ -215,8 +215,8 @@ def bounded_waits(rank: int, world: int, directory: str, cases: tuple[str, ...]
     pipe = Pipe(deep_mlp(), chunks=CHUNKS, loss_fn=nn.MSELoss(), group=dist.new_group([0, 1]))
     save_checkpoint(pipe, torch.optim.Adam(pipe.parameters()), target, 1)
     silent = {case: fresh() for case in cases if case.endswith("silent peer")}
-    if silent and rank == 1:  # its Pipes built (building is collective), then silent through
-        time.sleep(SILENCE)   # every call
+    if silent and rank == 1:  # both Pipes built (building is collective), then silent
+        time.sleep(SILENCE)  # through both calls
     for case, (pipe, optimizer) in silent.items():
         found[case] = ("", "silent", 0.0) if rank == 1 else _caught(call(case, pipe, optimizer))
     for case in (case for case in cases if case.endswith("stalled peer")):
