@@ -20,9 +20,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from partitioners.cut.balance import BY, balance, check_stages, uniform
+from partitioners.cut.report import calibrated_link
+from partitioners.cut.step import StepChoice, choose_by_step
 from partitioners.cli.loading import (UsageError, as_sequential, build_model, make_sample,
                                   parse_shapes)
 from partitioners.measure.sizes import parse_bytes
@@ -123,17 +126,34 @@ def _run(args: argparse.Namespace) -> int:
                    progress=False if args.no_progress else None)
     sizes = _usage(balance, costs, args.stages, by=args.by, memory_limit=memory_limit,
                    schedule=args.schedule, microbatches=args.chunks, bandwidth=bandwidth)
-    _report_cut(args, costs, sizes, held, device, memory_limit, bandwidth)
+    link = calibrated_link(device)  # a hop measured here, in-process: a local copy
+    choice = None
+    if args.by == "time":
+        # min-max bounds the steady state; the schedule known, the step itself is judged
+        choice = _usage(choose_by_step, costs, sizes, args.schedule, args.chunks, held=held,
+                        bandwidth=bandwidth, link=link, memory_limit=memory_limit)
+    _report_cut(args, costs, Cut(sizes, choice), held, device, link, memory_limit, bandwidth)
     return 0
 
 
-def _report_cut(args: argparse.Namespace, costs: Any, sizes: list[int], held: Any, device: Any,
-                memory_limit: float | None, bandwidth: float | None) -> None:
-    """Print the cut against the uniform one, with the predicted step; write JSON and plot."""
-    from partitioners.cut.report import calibrated_link, comparison_table, report, stage_table, to_data
+@dataclass(frozen=True)
+class Cut:
+    """What the balancer found: the min-max cut, and the choice by simulated step (by time)."""
 
-    link = calibrated_link(device)  # a hop measured here, in-process: a local copy
-    chosen = report(costs, sizes, held, args.schedule, args.chunks, bandwidth, link=link)
+    min_max: list[int]
+    choice: StepChoice | None
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self.choice.sizes) if self.choice is not None else self.min_max
+
+
+def _report_cut(args: argparse.Namespace, costs: Any, cut: Cut, held: Any, device: Any,
+                link: Any, memory_limit: float | None, bandwidth: float | None) -> None:
+    """Print the cut against the uniform one, with the predicted step; write JSON and plot."""
+    from partitioners.cut.report import comparison_table, report, stage_table, to_data
+
+    chosen = report(costs, cut.sizes, held, args.schedule, args.chunks, bandwidth, link=link)
     even_sizes = uniform(len(costs), args.stages)
     even = report(costs, even_sizes, held, args.schedule, args.chunks, bandwidth, link=link)
     label = f"by {args.by}"
@@ -142,16 +162,35 @@ def _report_cut(args: argparse.Namespace, costs: Any, sizes: list[int], held: An
     print(stage_table(chosen))
     print()
     print(comparison_table(chosen, even, label))
+    if cut.choice is not None:
+        print(_choice_note(cut.choice, cut.min_max, memory_limit is not None))
     print(f"predicted step {chosen.step_time * 1e3:.3f} ms with a calibrated hop (a local copy "
           f"on {device}, measured here: {link.latency * 1e6:.1f} us + bytes at "
           f"{link.bandwidth / 1e9:.2f} GB/s)")
     if args.json:
         data = to_data(chosen)
         data["uniform"] = to_data(even)
+        if cut.choice is not None:
+            data["chosen_by"] = {"searched": cut.choice.searched,
+                                 "exhaustive": cut.choice.exhaustive, "min_max": cut.min_max}
         data["options"] = _options(args, memory_limit, bandwidth)
         _write(args.json, lambda handle: json.dump(data, handle, indent=2))
     if args.plot:
         _plot(chosen, even, label, args.plot)
+
+
+def _choice_note(choice: StepChoice, min_max: list[int], limited: bool) -> str:
+    """How the cut by time was chosen: the fastest simulated step of every cut, or of a climb."""
+    fitting = " that fit the memory limit" if limited else ""
+    if choice.exhaustive:
+        how = f"the fastest simulated step of all {choice.searched} cuts{fitting}"
+    else:
+        how = (f"the fastest simulated step of {choice.searched} cuts{fitting}, reached "
+               f"from the min-max cut and the uniform one a boundary at a time")
+    if list(choice.sizes) == min_max:
+        return f"(by time: {how}; it is the min-max cut, whose slowest stage is smallest)"
+    return (f"(by time: {how}; the min-max cut {min_max}, whose slowest stage is smallest, "
+            f"is slower)")
 
 
 def _set_threads(threads: int | None) -> None:

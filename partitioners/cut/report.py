@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from partitioners.measure.cost import LayerCost, LossCost, Profile, saved_bytes_of
 from partitioners.measure.sizes import format_bytes
-from schedules import Link, Timeline, get_schedule, simulate
+from schedules import Link, Schedule, Timeline, get_schedule, simulate
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,8 @@ class StageReport:
 
     Attributes:
         first, last: the stage's first and last layer indices (inclusive).
-        types: the type names of its layers, in order.
+        types: its layers' names, in order: type names (``"Linear"``), or a traced
+            model's unit names (``"model.layers.3"``).
         forward, backward: summed seconds per micro-batch.
         share: the stage's fraction of the model's forward+backward time.
         param_bytes: its parameters' bytes.
@@ -98,6 +100,7 @@ def report(
     bandwidth: float | None = None,
     loss: LossCost | None = None,
     link: Link | None = None,
+    timetable: Schedule | None = None,
 ) -> CutReport:
     """Summarise the cut ``sizes`` of ``costs`` and simulate it under ``schedule``.
 
@@ -107,7 +110,9 @@ def report(
     stage also runs ``loss`` (None: the loss of a Profile measured with a
     ``loss_fn``), its forward after the last layer's, its backward before. With
     ``link`` (e.g. ``calibrated_link``) every transfer also takes its latency plus the
-    largest boundary activation over its bandwidth.
+    largest boundary activation over its bandwidth. ``timetable``: the schedule already
+    built (``get_schedule(schedule, len(sizes), microbatches)``), for a caller that
+    reports many cuts.
     """
     if loss is None and isinstance(costs, Profile):
         loss = costs.loss
@@ -142,8 +147,10 @@ def report(
     if loss is not None:
         forward[-1] += loss.forward
         backward[-1] += loss.backward
+    if timetable is None:
+        timetable = get_schedule(schedule, len(sizes), microbatches)
     timeline = simulate(
-        get_schedule(schedule, len(sizes), microbatches),
+        timetable,
         forward=forward,
         backward=backward,
         comm=comm,
@@ -186,15 +193,54 @@ def calibrated_link(device: Any = "cpu", rounds: int = 9) -> Link:
 
 
 def layer_types(types: Sequence[str], width: int = 30) -> str:
-    """``("Linear", "ReLU", "ReLU")`` -> ``"Linear, ReLU x2"``, cut to ``width`` characters."""
-    runs: list[list[Any]] = []
+    """Layers' names, runs compressed, cut to ``width`` characters.
+
+    ``("Linear", "ReLU", "ReLU")`` -> ``"Linear, ReLU x2"``; a traced model's units
+    ``("(prologue)", "model.layers.0", "model.layers.1")`` -> ``"(prologue), model.layers.0-1"``.
+    """
+    runs: list[list[str]] = []
     for name in types:
-        if runs and runs[-1][0] == name:
-            runs[-1][1] += 1
+        if runs and _continues(runs[-1], name):
+            runs[-1].append(name)
         else:
-            runs.append([name, 1])
-    text = ", ".join(name if count == 1 else f"{name} x{count}" for name, count in runs)
+            runs.append([name])
+    text = ", ".join(_run_text(run) for run in runs)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+_NUMBERED = re.compile(r"^(.*\.)(\d+)$")
+
+
+def _numbered(name: str) -> tuple[str, int] | None:
+    """``"model.layers.3"`` -> ``("model.layers.", 3)``; None for a name without an index."""
+    match = _NUMBERED.match(name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def _follows(previous: str, name: str) -> bool:
+    """``"model.layers.4"`` follows ``"model.layers.3"``."""
+    before, after = _numbered(previous), _numbered(name)
+    return (before is not None and after is not None and before[0] == after[0]
+            and after[1] == before[1] + 1)
+
+
+def _continues(run: list[str], name: str) -> bool:
+    """Whether ``name`` extends ``run``: a repeat of one name, or the next numbered block."""
+    if len(run) == 1:
+        return name == run[0] or _follows(run[0], name)
+    if run[0] == run[1]:
+        return name == run[-1]
+    return _follows(run[-1], name)
+
+
+def _run_text(run: list[str]) -> str:
+    """``["h.1"]`` -> ``"h.1"``; ``["ReLU", "ReLU"]`` -> ``"ReLU x2"``; ``["h.1", "h.2"]`` ->
+    ``"h.1-2"``."""
+    if len(run) == 1:
+        return run[0]
+    if run[0] == run[1]:
+        return f"{run[0]} x{len(run)}"
+    return f"{run[0]}-{run[-1].rsplit('.', 1)[1]}"
 
 
 def stage_table(cut: CutReport) -> str:

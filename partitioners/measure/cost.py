@@ -27,7 +27,8 @@ class LayerCost:
         activation_bytes: bytes of the layer's output, what a cut after it sends
             (also readable as ``output_bytes``).
         saved_bytes: bytes autograd keeps for the layer's backward (parameters excluded).
-        name: the layer's type name, e.g. ``"Linear"``.
+        name: the layer's type name, e.g. ``"Linear"``, or a traced unit's name, e.g.
+            ``"model.layers.3"`` or ``"(prologue)"``.
         backward_input: seconds of the input-gradient half of a split backward (I):
             the gradient with respect to the layer's input only, graph kept. 0 when
             the input needs no gradient (the first layer, for a sample without grad).

@@ -27,6 +27,7 @@ from partitioners.measure.tensors import (
     to_device,
 )
 from partitioners.measure.timing import held_for_weights, run_full, run_loss, run_split
+from units.unit import Unit
 
 Sample = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -293,7 +294,7 @@ def _measure(
         tied=tied,
         activation_bytes=activation_bytes,
         saved_bytes=counter.total,
-        name=type(layer).__name__,
+        name=layer_name(layer),
         backward_input=median["input"],
         backward_weight=median["weight"],
         shared_input_bytes=min(shared, counter.total),
@@ -301,6 +302,12 @@ def _measure(
         kept_input_bytes=kept_input,
     )
     return cost, detached(output), kept_output
+
+
+def layer_name(layer: nn.Module) -> str:
+    """What a table calls the layer: a traced unit's name (``"model.layers.3"``,
+    ``"(prologue)"``), else its type's (``"Linear"``)."""
+    return layer.name if isinstance(layer, Unit) else type(layer).__name__
 
 
 def _charge(layer: nn.Module, index: int, charged: dict[int, int]

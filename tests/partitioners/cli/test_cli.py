@@ -87,15 +87,22 @@ def test_errors_exit_2_with_one_line(tmp_path: Path, args: list[str], message: s
 def test_a_model_as_written_is_traced_into_units(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A factory returning a Hugging Face Llama, token ids as input: its units are cut."""
+    """A factory returning a Hugging Face Llama, token ids as input: its units are cut, and
+    the table and the JSON name them as the model does (not "Unit x3")."""
     monkeypatch.syspath_prepend(str(HERE))
     monkeypatch.chdir(tmp_path)
     status = main(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
                    "--stages", "2", "--threads", "1", "--repeat", "1", "--no-progress",
                    "--json", "o.json"])
-    assert status == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert status == 0, err
     data = json.loads((tmp_path / "o.json").read_text())
     assert sum(data["balance"]) == 5 and len(data["balance"]) == 2  # prologue, 3 blocks, epilogue
+    names = [name for stage in data["stages"] for name in stage["types"]]
+    assert names == ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2",
+                     "(epilogue)"]
+    table = out.split("\n\n")[1]  # the stage table; the cut itself depends on the timings
+    assert "Unit" not in table and "(prologue)" in table and "model.layers.2" in table
 
 
 def test_a_run_with_memory_limit_and_bandwidth(

@@ -64,6 +64,16 @@ def test_layer_types_compress_runs_and_truncate() -> None:
     assert len(long) == 20 and long.endswith("...")
 
 
+def test_layer_names_compress_numbered_runs() -> None:
+    """A traced model's units by name: a run of numbered blocks reads as its first and last."""
+    names = ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2"]
+    assert layer_types(names) == "(prologue), model.layers.0-2"
+    assert layer_types(["model.layers.7", "(epilogue)"]) == "model.layers.7, (epilogue)"
+    assert layer_types(["layer1.0", "layer1.1", "layer2.0"]) == "layer1.0-1, layer2.0"
+    assert layer_types(["h.1", "h.1", "h.2"]) == "h.1 x2, h.2"
+    assert layer_types(["h.1", "h.3"]) == "h.1, h.3"
+
+
 def test_the_last_stage_runs_the_loss() -> None:
     held = held_microbatches("1f1b", 2, 4)
     plain = report(costs(), [2, 1], held, "1f1b", 4)
