@@ -55,6 +55,7 @@ MEASURED = frozenset({
     "test_wire.py::test_random_headers_decode_within_the_limit_or_are_refused",  # 7 s
     "test_split_exact.py::test_compiled_blocks_stay_exact_under_split_schedules",  # 6 s
     "test_cli.py::test_auto_plans_for_sharded_replicas",  # 6 s
+    "test_trace_regions.py::test_t5_with_its_default_config_is_exact",  # 15-40 s: T5's traces
 })
 
 

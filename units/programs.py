@@ -68,6 +68,19 @@ def cut_programs(traced: fx.GraphModule, unit_of: dict[fx.Node, int], units: int
     return programs, returned
 
 
+def is_subgraph(traced: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` reads a graph of export's own, not the model's state: the body of a
+    higher-order op (a ``torch.no_grad()`` / ``torch.enable_grad()`` region runs as
+    ``wrap_with_set_grad_enabled(mode, body, *inputs)``, a ``torch.autocast`` region as
+    ``wrap_with_autocast(...)``), which takes the model's tensors as inputs."""
+    if node.op != "get_attr":
+        return False
+    owner: Any = traced
+    for part in str(node.target).split("."):
+        owner = getattr(owner, part, None)
+    return isinstance(owner, fx.GraphModule)
+
+
 @dataclass(frozen=True)
 class _Constant:
     value: Any
@@ -93,9 +106,12 @@ def _program(traced: fx.GraphModule, body: list[fx.Node], entry: list[fx.Node],
     state: list[str] = []
     reads = [arg for node in body for arg in node.all_input_nodes if arg.op == "get_attr"]
     for attribute in dict.fromkeys(reads):
-        env[attribute] = graph.placeholder(f"state_{len(state)}")
+        if is_subgraph(traced, attribute):  # export's own code, kept in the program
+            env[attribute] = graph.get_attr(str(attribute.target))
+        else:  # the model's tensor, read anew at every call
+            env[attribute] = graph.placeholder(f"state_{len(state)}")
+            state.append(str(attribute.target))
         env[attribute].meta = dict(attribute.meta)
-        state.append(str(attribute.target))
     for value in entry:
         env[value] = graph.placeholder(value.name)
         env[value].meta = dict(value.meta)

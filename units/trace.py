@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from units.calls import CallSpec, as_call
 from units.errors import TraceError
+from units.programs import is_subgraph
 
 
 _KEPT_TRACES = 16
@@ -146,9 +147,13 @@ def _ties(model: nn.Module) -> list[tuple[str, ...]]:
 
 def _without_model_state(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The trace without the model's tensors (units read their own model's): only the
-    guard function and the constants the trace lifted out of the code stay."""
+    guard function, export's own subgraphs (the bodies of grad-mode and autocast regions,
+    which take the model's tensors as inputs) and the constants the trace lifted out of
+    the code stay."""
+    kept = {str(node.target).split(".")[0] for node in graph_module.graph.nodes
+            if is_subgraph(graph_module, node)}
     for name in list(graph_module._modules):
-        if name != "_guards_fn":
+        if name != "_guards_fn" and name not in kept:
             del graph_module._modules[name]
     graph_module._parameters.clear()
     return graph_module
@@ -170,9 +175,10 @@ def _export(model: nn.Module, sample: Any, training: bool
     """
     _check_no_backward_hooks(model)
     args, kwargs = as_call(sample)
-    shapes = _dynamic_shapes(model, args, kwargs)
     oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
-    with _mode(model, training), _no_cache(model), oblivious, _refusing_tensor_hooks(model):
+    with _mode(model, training), _no_cache(model), oblivious, _refusing_tensor_hooks(model), \
+            _keywords_named(model, kwargs):
+        shapes = _dynamic_shapes(model, args, kwargs)
         try:
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
@@ -205,6 +211,41 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 @contextlib.contextmanager
+def _keywords_named(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
+    """For the trace, the keys of the sample that the forward's ``**kwargs`` collects
+    (``model(x, return_dict=True)`` of ``forward(self, x, **kwargs)``) are keyword
+    parameters of their own. Export takes dynamic shapes for a ``**kwargs`` parameter by
+    the signature's name (``kwargs``) in one check and by the call's keys in the next, so
+    no form passes both (torch 2.13): named, each key has its own. The forward runs as it
+    is, called the same way; the model is left as it was."""
+    forward = model.forward
+    signature = inspect.signature(forward)
+    parameters = list(signature.parameters.values())
+    collected = [key for key in kwargs if key not in signature.parameters
+                 or signature.parameters[key].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if not collected or not all(key.isidentifier() for key in collected) or not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        yield
+        return
+    named = [p for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD] + [
+        inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY) for key in collected]
+
+    def explicit(*args: Any, **keywords: Any) -> Any:
+        return forward(*args, **keywords)
+
+    explicit.__signature__ = signature.replace(parameters=named)  # type: ignore[attr-defined]
+    own = vars(model).get("forward")  # an instance forward of the user's, kept
+    model.forward = explicit
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+@contextlib.contextmanager
 def _mode(model: nn.Module, training: bool) -> Iterator[None]:
     modes = {module: module.training for module in model.modules()}
     model.train(training)
@@ -218,13 +259,39 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def _no_cache(model: nn.Module) -> Iterator[None]:
     """Hugging Face models return a key/value cache when ``config.use_cache`` is true; a
-    training step never needs it, and export refuses its type: trace without it."""
-    config = getattr(model, "config", None)
-    if config is None or not getattr(config, "use_cache", False):
-        yield
-        return
-    config.use_cache = False
+    training step never needs it, and export refuses its type: trace without it. Every
+    config is turned off, not only the root's (T5's decoder holds a config of its own, a
+    multimodal model nests its text model's), and each is restored afterwards, even when
+    the trace fails."""
+    turned_off: list[tuple[Any, Any]] = []
     try:
+        for config in _configs(model):
+            value = getattr(config, "use_cache", None)
+            if value:
+                config.use_cache = False
+                turned_off.append((config, value))
         yield
     finally:
-        config.use_cache = True
+        for config, value in reversed(turned_off):
+            config.use_cache = value
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """Every config the model's modules hold (``module.config``), and the configs nested in
+    them (a config's attributes that are configs: ``text_config``, ``decoder``), each once."""
+    found: dict[int, Any] = {}
+    pending = [getattr(module, "config", None) for module in model.modules()]
+    while pending:
+        config = pending.pop()
+        if id(config) in found or not _is_config(config):
+            continue
+        found[id(config)] = config
+        pending.extend(value for value in vars(config).values() if _is_config(value))
+    return list(found.values())
+
+
+def _is_config(value: Any) -> bool:
+    """A config object (a Hugging Face ``PretrainedConfig`` or alike): attributes of its
+    own, and ``to_dict``."""
+    return hasattr(value, "__dict__") and callable(getattr(value, "to_dict", None)) \
+        and not isinstance(value, (nn.Module, torch.Tensor, type))
