@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from pipeline.compute.forward_state import GeneratorStates, OwnGenerators, Snaps
 from pipeline.compute.input_writes import InputWrites, owned_copy
 from pipeline.compute.loss import LossFunctionError, call_loss, check_loss_value
 from pipeline.payloads.tree import Flat, detach, differentiable, flatten
+from pipeline.compute.tied_hooks import SharedGrads
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -102,7 +103,7 @@ class ChunkRunner:
         options: ChunkOptions,
         tracker: ActivationTracker | None,
         rng_lock: threading.Lock | None,
-        grad_lock: threading.Lock | None = None,
+        grad_lock: SharedGrads | None = None,
     ) -> None:
         self.spec = spec
         self.layers = layers
@@ -110,8 +111,9 @@ class ChunkRunner:
         self.options = options
         self._tracker = tracker
         self.rng_lock = rng_lock
-        # Taken around weight-gradient accumulation when a parameter is shared with another
-        # chunk, whose stage may accumulate into the same ``.grad`` at the same moment.
+        # Held around weight-gradient accumulation when a parameter is shared with another
+        # chunk, whose stage may accumulate into the same ``.grad`` at the same moment
+        # (``tied_hooks``: it also runs such a parameter's hooks once per micro-batch).
         self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
         self._weights: dict[int, WeightGradients] = {}  # what each micro-batch's I left for W
@@ -351,7 +353,7 @@ class ChunkRunner:
         wanted_inputs = self._wanted_inputs(stash)
         found: Grads = (None,) * len(wanted_inputs)
         if roots:
-            with self.grad_lock if self.grad_lock is not None else nullcontext():
+            with self._accumulating(microbatch):
                 found = self._autograd(microbatch, "B", self._split.backward, roots, root_grads,
                                        wanted_inputs, microbatch)
         del self._stash[microbatch]
@@ -368,10 +370,12 @@ class ChunkRunner:
         wanted_inputs = self._wanted_inputs(stash)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted_inputs)
         if roots:
-            found, weights = self._autograd(
-                microbatch, "I", self._split.backward_input, roots,
-                root_grads or [None] * len(roots), wanted_inputs, microbatch,
-            )
+            with (nullcontext() if self.grad_lock is None
+                  else self.grad_lock.accumulating_in_input(microbatch)):
+                found, weights = self._autograd(
+                    microbatch, "I", self._split.backward_input, roots,
+                    root_grads or [None] * len(roots), wanted_inputs, microbatch,
+                )
             self._weights[microbatch] = weights
             if self.tracker is not None:
                 # One view a storage: a captured gradient reaches several junctions as views
@@ -388,8 +392,11 @@ class ChunkRunner:
         weights = self._weights.pop(microbatch, None)
         if weights is None:
             return
-        with self.grad_lock if self.grad_lock is not None else nullcontext():
+        with self._accumulating(microbatch):
             self._autograd(microbatch, "W", weights.run)
+
+    def _accumulating(self, microbatch: int) -> AbstractContextManager[None]:
+        return nullcontext() if self.grad_lock is None else self.grad_lock.accumulating(microbatch)
 
     def _autograd(self, microbatch: int, op: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

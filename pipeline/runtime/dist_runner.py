@@ -18,6 +18,7 @@ from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.dtensors import is_dtensor
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
+from pipeline.compute.tied_hooks import SharedGrads, chunk_users, refuse_hooks_across_ranks
 from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
 from pipeline.group.process_groups import clock_offset
 from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
@@ -91,9 +92,13 @@ class DistRunner:
         self.tracker = ActivationTracker(self.parameters(), share)
         self.trackers: tuple[ActivationTracker, ...] = (self.tracker,)
 
+        local_chunks = schedule.chunks_of_stage[self.stage]
+        self.shared_grads = SharedGrads(chunk_users(model, balance, local_chunks))
+
         def make_chunk(spec: ChunkSpec, layers: nn.Sequential, chunk_device: torch.device
                        ) -> ChunkRunner:
-            return ChunkRunner(spec, layers, chunk_device, options, self.tracker, None)
+            return ChunkRunner(spec, layers, chunk_device, options, self.tracker, None,
+                               self.shared_grads)
 
         devices = [device] * schedule.stages
         self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
@@ -208,11 +213,15 @@ class DistRunner:
     def run_step(
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
+        refuse_hooks_across_ranks([synced.parameter for synced in self.synced], self._names())
         state = StepState.set_aside(self.parameters(), self.chunks_modules())
+        self.shared_grads.begin_step()
         try:
             self.data_parallel.begin_step()
             found = self._step(inputs, targets, weights)
+            self.shared_grads.end_step(succeeded=True)
         except BaseException as error:
+            self.shared_grads.end_step(succeeded=False)
             self.data_parallel.abandon_step()
             state.restore(error)
             if isinstance(error, PeerError):
@@ -221,6 +230,11 @@ class DistRunner:
             raise
         state.merge()
         return found
+
+    def _names(self) -> dict[int, str]:
+        """``id`` of each local parameter -> its key (for messages)."""
+        return {id(p): f"{index}.{name}" for index in self.local_layers
+                for name, p in self.model[index].named_parameters()}
 
     def chunks_modules(self) -> list[nn.Module]:
         """This rank's chunks' layers."""

@@ -29,6 +29,7 @@ from pipeline.runtime.runner import (
 )
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.compute.shared import chunk_layers, shared_parameters
+from pipeline.compute.tied_hooks import SharedGrads, chunk_users
 from pipeline.errors import PipelineAborted
 from pipeline.runtime.step_state import StepState
 from pipeline.transports.threads import LocalTransport
@@ -63,14 +64,14 @@ class LocalRunner:
         # under one lock: two stage threads may reach it at the same moment.
         shared_layers = {layer for shared in shared_parameters(model).values()
                          for layer in shared.layers}
-        grad_lock = threading.Lock()
+        self.shared_grads = SharedGrads(chunk_users(model, balance, range(schedule.chunks)))
         layers_of = chunk_layers(balance)
 
         def make_chunk(spec: ChunkSpec, layers: nn.Sequential, device: torch.device
                        ) -> ChunkRunner:
             shares = any(layer in shared_layers for layer in layers_of[spec.index])
             return ChunkRunner(spec, layers, device, options, self.trackers[spec.stage],
-                               locks[device], grad_lock if shares else None)
+                               locks[device], self.shared_grads if shares else None)
 
         self.chunks = build_chunks(
             model, balance, schedule, self.devices, range(schedule.stages), make_chunk
@@ -149,11 +150,14 @@ class LocalRunner:
         self, inputs: list[Any] | None, targets: list[Any] | None, weights: list[float] | None
     ) -> tuple[torch.Tensor, PendingTimeline]:
         state = StepState.set_aside(self.parameters(), [self.model])
+        self.shared_grads.begin_step()
         try:
             found = self._step(inputs, targets, weights)
         except BaseException as error:
+            self.shared_grads.end_step(succeeded=False)
             state.restore(error)
             raise
+        self.shared_grads.end_step(succeeded=True)
         state.merge()
         return found
 
