@@ -19,6 +19,7 @@ from split_backward import SplitMode
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.compute.loss import SummedLoss, loss_rule
+from pipeline.compute.own_loss import check_labels_on_last, own_loss_rule, own_loss_target
 from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
@@ -158,7 +159,9 @@ class Pipe(ModelLike):
         self._measuring = 0  # measure_memory() blocks entered and not left
         picked = self._pick(chunks, schedule, balance, checkpoint, devices, stages,
                             schedule_options, (inputs, target, loss_fn), memory_limit)
-        self.loss_fn, self._loss_rule = loss_fn, loss_rule(loss_fn)
+        self.loss_fn = loss_fn  # None with labels in a traced sample: the model's own loss
+        self._loss_rule = loss_rule(loss_fn) or own_loss_rule(
+            self.source_model, self._traced is not None, inputs)
         check_deferred_norms(self._traced, self.model, deferred_batch_norm)
         self._options = ChunkOptions(
             self.checkpoint, self._loss_rule.function if self._loss_rule is not None else None,
@@ -366,7 +369,7 @@ class Pipe(ModelLike):
 
     # -- running --------------------------------------------------------------------------
 
-    def step(self, x: Any, target: Any, *, scaler: Any = None) -> torch.Tensor:
+    def step(self, x: Any, target: Any = None, *, scaler: Any = None) -> torch.Tensor:
         """One training step: every forward and backward in the schedule's order.
 
         Gradients accumulate into the model's parameters, as ``backward()`` would. With
@@ -381,6 +384,8 @@ class Pipe(ModelLike):
                 tensor, a tuple of positional arguments, or a dict of keyword arguments).
                 With a group, only the rank holding the first chunk reads it.
             target: the targets, split the same way; read where the last chunk runs.
+                None (left out) with the model's own loss: no ``loss_fn``, a traced model
+                and ``labels`` in the batch (``pipeline.compute.own_loss``).
             scaler: a ``torch.amp.GradScaler``: the loss is scaled by its scale before the
                 backward, as ``scaler.scale(loss).backward()`` would; then call
                 ``scaler.step(optimizer)`` and ``scaler.update()`` as usual. With a group,
@@ -398,14 +403,19 @@ class Pipe(ModelLike):
             return self._step(x, target, scaler)
 
     def _step(self, x: Any, target: Any, scaler: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or similar")
+        if self._loss_rule is None:
+            raise ValueError("step() needs a loss_fn: build the Pipe with loss_fn=nn.MSELoss() or "
+                             "similar, or trace it with labels in the sample (the model's own loss)")
+        if self.loss_fn is None and target is None:
+            target = own_loss_target(x, self._ranks.size == 1)
         if self._traced is not None and x is not None:
             self._traced.check_batch(x)
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
         runner = self._ensure_runner(x)
+        if self.loss_fn is None:
+            check_labels_on_last(targets, getattr(runner, "stage", None),
+                                 self._schedule.placement[-1])
         self._settle_timeline()
-        assert self._loss_rule is not None
         # With data-parallel replicas, over the union of their batches.
         weights = None if targets is None else runner.data_parallel.loss_weights(
             self._loss_rule, targets, self._devices[-1])

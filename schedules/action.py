@@ -27,8 +27,9 @@ class Op(Enum):
     __hash__ = object.__hash__
 
 
-_ACTION_TEXT = re.compile(r"^([FBIW])(\d+)(?:@c(\d+))?$")
-_STAGE_LINE = re.compile(r"^stage\s+(\d+)\s*:(.*)$")
+# ASCII digits only: \d would take full-width and other scripts' digits too.
+_ACTION_TEXT = re.compile(r"^([FBIW])([0-9]+)(?:@c([0-9]+))?$")
+_STAGE_LINE = re.compile(r"^stage\s+([0-9]+)\s*:(.*)$")
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,9 @@ def parse_order(text: str, name: str = "custom") -> Schedule:
     Blank lines and ``#`` comments are ignored. The counts are read off the actions:
     micro-batches ``0..M-1`` and chunks ``0..C-1`` must each appear; a chunk lives on the
     stage whose line runs it (that is the placement); a timetable of forwards alone is a
-    forward-only one. The form is checked, not whether it runs: ``validate`` does that.
+    forward-only one. When no action names its chunk (no ``@c``), stage ``s`` runs chunk
+    ``s``: with one chunk per stage there is one reading. The form is checked, not whether
+    it runs: ``validate`` does that.
 
     >>> from schedules import one_f_one_b
     >>> text = str(one_f_one_b(stages=2, microbatches=2))
@@ -238,6 +241,9 @@ def parse_order(text: str, name: str = "custom") -> Schedule:
     stage 1: F0@c1 B0@c1 F1@c1 B1@c1
     >>> Schedule.parse(text, name="1f1b") == one_f_one_b(stages=2, microbatches=2)
     True
+    >>> by_hand = "stage 0: F0 F1 B0 B1\\nstage 1: F0 B0 F1 B1"  # no chunk named
+    >>> Schedule.parse(by_hand, name="1f1b") == one_f_one_b(stages=2, microbatches=2)
+    True
 
     Args:
         text: one line ``stage s: <actions>`` per stage, stages in order from 0.
@@ -245,90 +251,157 @@ def parse_order(text: str, name: str = "custom") -> Schedule:
 
     Raises:
         ScheduleError: a line not of that form, naming the line, what was expected and
-            what it holds; a gap in the micro-batches or chunks; a chunk on two stages.
+            what it holds; an index no action count of the text can reach; a gap in the
+            micro-batches or chunks; a chunk on two stages.
     """
     if not isinstance(text, str):
         raise TypeError(f"a timetable is text, got {type(text).__name__}")
-    rows: list[tuple[str, list[Action]]] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            rows.append((f"line {number}", _stage_actions(line, number, len(rows))))
-    if not rows:
+    lines = [(f"line {number}", line) for number, raw in enumerate(text.splitlines(), start=1)
+             if (line := raw.split("#", 1)[0].strip())]
+    if not lines:
         raise ScheduleError(
             "expected a timetable, one line per stage such as 'stage 0: F0 F1 B0 B1', "
             "got no stage lines"
         )
-    return schedule_of_rows(rows, name)
+    tokens = [_stage_tokens(line, where, stage) for stage, (where, line) in enumerate(lines)]
+    count = sum(len(row) for row in tokens)
+    rows = [(where, _line_actions(row, f"{where} (stage {stage})", count))
+            for stage, ((where, _), row) in enumerate(zip(lines, tokens))]
+    named = next(((where, action) for (where, actions), row in zip(rows, tokens)
+                  for action, token in zip(actions, row) if "@" in token), None)
+    if named is None:  # no action names its chunk: stage s runs chunk s
+        return schedule_of_rows([
+            (where, [Action(action.op, action.microbatch, stage) for action in actions])
+            for stage, (where, actions) in enumerate(rows)
+        ], name)
+    note = (f"An action without '@c' is chunk 0 when any action names its chunk ({named[0]} "
+            f"names {named[1]}): name the chunk of every action on the other stages' lines, "
+            f"or name no chunk on any line (stage s then runs chunk s)")
+    return schedule_of_rows(rows, name, chunk_zero_note=note)
 
 
-def _stage_actions(line: str, number: int, stage: int) -> list[Action]:
+def _stage_tokens(line: str, where: str, stage: int) -> list[str]:
+    """The action texts on the line of ``stage``, the line's form checked."""
     if "..." in line or "[" in line:
         raise ScheduleError(
-            f"line {number}: {line!r} is a window of a timetable (as an error message "
-            f"shows one, with '...' and '[ ]'); give every action of the stage"
+            f"{where}: {line!r} is a window of a timetable (as an error message shows one, "
+            f"with '...' and '[ ]'); give every action of the stage"
         )
     match = _STAGE_LINE.match(line)
     if match is None:
         raise ScheduleError(
-            f"line {number}: expected 'stage {stage}: <actions>', e.g. 'stage {stage}: F0 B0', "
-            f"got {line!r}"
+            f"{where}: expected 'stage {stage}: <actions>', e.g. 'stage {stage}: F0 B0', "
+            f"got {abbreviate(line)!r}"
         )
-    if int(match.group(1)) != stage:
+    given = match.group(1).lstrip("0") or "0"  # compared as text: no int of a long number
+    if given != str(stage):
         raise ScheduleError(
-            f"line {number}: expected stage {stage} next (one line per stage, in order from "
-            f"stage 0), got stage {int(match.group(1))}"
+            f"{where}: expected stage {stage} next (one line per stage, in order from "
+            f"stage 0), got stage {abbreviate(given)}"
         )
-    actions = []
-    for position, token in enumerate(match.group(2).split(), start=1):
-        try:
-            actions.append(Action.parse(token))
-        except ValueError:
-            raise ScheduleError(
-                f"line {number} (stage {stage}), action {position}: expected an action like "
-                f"'F3', 'B3', 'I3@c1' or 'W3@c1', got {token!r}"
-            ) from None
+    return match.group(2).split()
+
+
+def _line_actions(tokens: list[str], where: str, count: int) -> list[Action]:
+    """The actions a line's ``tokens`` write, indices within what ``count`` actions number."""
+    actions, position = [], 0
+    try:
+        for position, token in enumerate(tokens, start=1):
+            match = _ACTION_TEXT.match(token)
+            if match is None:
+                raise ScheduleError(f"expected an action like 'F3', 'B3', 'I3@c1' or 'W3@c1' "
+                                    f"(ASCII digits), got {abbreviate(token)!r}")
+            op, microbatch, chunk = match.groups()
+            actions.append(Action(Op(op), read_index(microbatch, "micro-batch", count),
+                                  read_index(chunk or "0", "chunk", count)))
+    except ScheduleError as error:  # the position is named here, not built for every action
+        raise ScheduleError(f"{where}, action {position}: {error}") from None
     return actions
 
 
-def schedule_of_rows(rows: Sequence[tuple[str, list[Action]]], name: str) -> Schedule:
+def read_index(digits: str, kind: str, count: int) -> int:
+    """The index ASCII ``digits`` write, if ``count`` actions (the text's) can number it.
+
+    Micro-batches and chunks are numbered from 0 without gaps, each run by some action,
+    so every index is below the action count. A long number is refused by its length,
+    before ``int`` spends time quadratic in its digits on it.
+
+    Raises:
+        ScheduleError: an index ``count`` actions cannot reach.
+    """
+    if len(digits) <= 18 or len(digits.lstrip("0")) <= 18:  # int() in constant time
+        index = int(digits)
+        if index < count:
+            return index
+    raise ScheduleError(
+        f"{kind} {abbreviate(digits.lstrip('0') or '0')} is past what the text's {count} "
+        f"actions can number: expected a {kind} below {count} (they are numbered from 0 "
+        f"without gaps, each run by an action)"
+    )
+
+
+def abbreviate(text: str) -> str:
+    """``text`` for a message: its first 40 characters and its length when it is longer."""
+    return text if len(text) <= 48 else f"{text[:40]}...({len(text)} characters)"
+
+
+def schedule_of_rows(
+    rows: Sequence[tuple[str, list[Action]]], name: str, chunk_zero_note: str = ""
+) -> Schedule:
     """The Schedule of each stage's actions, its counts and placement read off the actions.
 
-    ``rows[stage]`` is ``(where, actions)``, ``where`` naming the text (``"line 3"``) for
-    messages.
+    Linear in the actions: a gap in the numbering is found without building the range
+    it spans.
+
+    Args:
+        rows: ``rows[stage]`` is ``(where, actions)``, ``where`` naming the text
+            (``"line 3"``) for messages.
+        name: the schedule's name.
+        chunk_zero_note: added to the message for chunk 0 on two stages (the text form
+            says there why an action without ``@c`` is chunk 0).
 
     Raises:
         ScheduleError: a stage without actions, a chunk on two stages, a gap in the
             micro-batches or chunks.
     """
     owner: dict[int, tuple[int, str]] = {}  # chunk -> (stage, where)
-    microbatches: set[int] = set()
+    microbatches: dict[int, str] = {}  # micro-batch -> where it first appears
     for stage, (where, actions) in enumerate(rows):
         if not actions:
             raise ScheduleError(f"{where}: stage {stage} runs no action; every stage holds a "
                                 f"model chunk and runs its forwards")
         for action in actions:
-            microbatches.add(action.microbatch)
+            microbatches.setdefault(action.microbatch, where)
             first = owner.setdefault(action.chunk, (stage, where))
             if first[0] != stage:
+                note = f". {chunk_zero_note}" if chunk_zero_note and action.chunk == 0 else ""
                 raise ScheduleError(
                     f"{where}: chunk {action.chunk} runs on stage {stage} ({action}) and on "
-                    f"stage {first[0]} ({first[1]}); a model chunk lives on one stage"
+                    f"stage {first[0]} ({first[1]}); a model chunk lives on one stage{note}"
                 )
-    for kind, plural, seen in (("micro-batch", "micro-batches", microbatches),
-                               ("chunk", "chunks", set(owner))):
-        missing = sorted(set(range(max(seen) + 1)) - seen)
-        if missing:
-            raise ScheduleError(
-                f"{kind} {missing[0]} appears nowhere, but {kind} {max(seen)} does: "
-                f"{plural} are numbered from 0 without gaps"
-            )
+    count = sum(len(actions) for _, actions in rows)
+    _check_numbered("micro-batch", "micro-batches", microbatches, count)
+    _check_numbered("chunk", "chunks", {chunk: where for chunk, (_, where) in owner.items()},
+                    count)
     order = tuple(tuple(actions) for _, actions in rows)
     return Schedule(
         stages=len(rows),
-        microbatches=max(microbatches) + 1,
+        microbatches=len(microbatches),
         order=order,
         placement=tuple(owner[chunk][0] for chunk in range(len(owner))),
         name=name,
         forward_only=all(action.op is Op.F for actions in order for action in actions),
     )
+
+
+def _check_numbered(kind: str, plural: str, seen: dict[int, str], count: int) -> None:
+    """Refuse a gap among the indices ``seen`` (index -> where it appears), in O(len(seen)):
+    with a gap, the largest is past ``len(seen) - 1``."""
+    largest = max(seen)
+    if largest >= len(seen):
+        missing = next(index for index in range(len(seen)) if index not in seen)
+        raise ScheduleError(
+            f"{seen[largest]}: expected {plural} 0..{len(seen) - 1} ({len(seen)} distinct "
+            f"ones appear in {count} actions), got {kind} {largest}: {kind} {missing} appears "
+            f"nowhere; {plural} are numbered from 0 without gaps"
+        )

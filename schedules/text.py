@@ -5,6 +5,10 @@ this module adds the CSV form of torch.distributed.pipelining's ``_dump_csv``
 (torchtitan's ``pipeline_parallel_schedule_csv``): row ``r`` is stage (rank) ``r``, a cell
 ``1F3`` is chunk 1's forward of micro-batch 3, an empty cell is idle. Counts and
 placement are read off the actions as for the text form.
+
+Text comes from users and files (``Pipe(schedule=...)`` takes either), so both forms are
+read in time and memory linear in the text (``schedules.action.read_index``): digits are
+ASCII only, and an index that the text's action count cannot reach is refused.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import os
 import re
 from pathlib import Path
 
-from schedules.action import Action, Op, Schedule, ScheduleError, schedule_of_rows
+from schedules.action import (Action, Op, Schedule, ScheduleError, abbreviate, read_index,
+                              schedule_of_rows)
 
-_CSV_CELL = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_CSV_CELL = re.compile(r"^([0-9]+)([FBIW])([0-9]+)$")
 _CSV_OTHER = re.compile(r"^\(?\d*(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)"
                         r"|OVERLAP_F_B$")
 
@@ -36,17 +41,19 @@ def parse_csv(text: str, name: str = "custom") -> Schedule:
     """
     if not isinstance(text, str):
         raise TypeError(f"a CSV timetable is text, got {type(text).__name__}")
-    rows: list[tuple[str, list[Action]]] = []
-    for number, cells in enumerate(csv.reader(io.StringIO(text)), start=1):
-        rows.append((f"row {number}", [
-            _csv_action(cell.strip(), number, column)
-            for column, cell in enumerate(cells, start=1) if cell.strip()
-        ]))
-    while rows and not rows[-1][1]:
-        rows.pop()
-    if not rows:
+    try:
+        cells = [[(column, cell.strip()) for column, cell in enumerate(row, start=1)
+                  if cell.strip()] for row in csv.reader(io.StringIO(text))]
+    except csv.Error as error:  # e.g. a cell past csv's field size limit (128 KiB)
+        raise ScheduleError(f"expected a compute-only CSV, one row of actions per stage: "
+                            f"{error}") from None
+    while cells and not cells[-1]:
+        cells.pop()
+    if not cells:
         raise ScheduleError("expected one CSV row of actions per stage, got no actions")
-    return schedule_of_rows(rows, name)
+    count = sum(len(row) for row in cells)
+    return schedule_of_rows([(f"row {number}", _row_actions(row, number, count))
+                             for number, row in enumerate(cells, start=1)], name)
 
 
 def to_csv(schedule: Schedule) -> str:
@@ -84,19 +91,30 @@ def read_schedule(path: str | os.PathLike[str], name: str | None = None) -> Sche
         raise ScheduleError(f"{file}: {error}") from None
 
 
-def _csv_action(cell: str, row: int, column: int) -> Action:
-    match = _CSV_CELL.match(cell)
-    if match is not None:
-        chunk, op, microbatch = match.groups()
-        return Action(Op(op), int(microbatch), int(chunk))
-    where = f"row {row} (stage {row - 1}), cell {column}"
+def _row_actions(cells: list[tuple[int, str]], row: int, count: int) -> list[Action]:
+    """The actions a CSV row's ``(column, cell)`` pairs write."""
+    actions, column = [], 0
+    try:
+        for column, cell in cells:
+            match = _CSV_CELL.match(cell)
+            if match is None:
+                raise _not_compute(cell)
+            chunk, op, microbatch = match.groups()
+            actions.append(Action(Op(op), read_index(microbatch, "micro-batch", count),
+                                  read_index(chunk, "chunk", count)))
+    except ScheduleError as error:  # the cell is named here, not built for every action
+        raise ScheduleError(f"row {row} (stage {row - 1}), cell {column}: {error}") from None
+    return actions
+
+
+def _not_compute(cell: str) -> ScheduleError:
     if _CSV_OTHER.search(cell):
-        raise ScheduleError(
-            f"{where}: {cell!r} is a communication, sharding or overlapped action; pipesched "
-            f"derives sends, receives and gathers from the compute order: give a compute-only "
-            f"CSV (cells such as '0F3', '1B3', '1I3', '1W3')"
+        return ScheduleError(
+            f"{abbreviate(cell)!r} is a communication, sharding or overlapped action; "
+            f"pipesched derives sends, receives and gathers from the compute order: give a "
+            f"compute-only CSV (cells such as '0F3', '1B3', '1I3', '1W3')"
         )
-    raise ScheduleError(
-        f"{where}: expected a compute action '<chunk><F|B|I|W><micro-batch>' such as '0F3' "
-        f"(chunk 0's forward of micro-batch 3) or an empty cell, got {cell!r}"
+    return ScheduleError(
+        f"expected a compute action '<chunk><F|B|I|W><micro-batch>' such as '0F3' (chunk "
+        f"0's forward of micro-batch 3) or an empty cell, got {abbreviate(cell)!r}"
     )

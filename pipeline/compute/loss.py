@@ -129,8 +129,8 @@ class LossRule:
         counts = [self.count(t) for t in targets]
         if total is None:
             total = float(sum(counts))
-        if self.shares:
-            return [c / total for c in counts]
+        if self.shares:  # nothing counted anywhere: NaN, as torch's mean of nothing
+            return [c / total if total else float("nan") for c in counts]
         # A batch that counts nothing (all targets ignored) has a NaN mean, as in torch.
         factor = 1.0 / total if total else float("nan")
         return [factor] * len(counts)

@@ -86,15 +86,18 @@ def test_parse_checks_the_form_and_validate_the_deadlock():
                        "stage 0), got stage 1"),
     ("stage 0: F0 B0\n\nstage 0: F0@c1 B0@c1", "line 3: expected stage 1 next"),
     ("stage 0: F0 X1 B0", "line 1 (stage 0), action 2: expected an action like 'F3', 'B3', "
-                          "'I3@c1' or 'W3@c1', got 'X1'"),
+                          "'I3@c1' or 'W3@c1' (ASCII digits), got 'X1'"),
     ("stage 0: F0 B0\nstage 1: F0@c1 B0c1", "line 2 (stage 1), action 2"),
     ("stage 0: ... F3 [B2] B3", "line 1: 'stage 0: ... F3 [B2] B3' is a window of a timetable"),
-    ("stage 0: F0 B0\nstage 1: F0 B0",
-     "line 2: chunk 0 runs on stage 1 (F0) and on stage 0 (line 1); a model chunk lives on "
+    ("stage 0: F0 B0@c1\nstage 1: F0@c1 B0@c0",
+     "line 2: chunk 1 runs on stage 1 (F0@c1) and on stage 0 (line 1); a model chunk lives on "
      "one stage"),
-    ("stage 0: F0 F2 B0 B2", "micro-batch 1 appears nowhere, but micro-batch 2 does: "
+    ("stage 0: F0 F2 B0 B2", "line 1: expected micro-batches 0..1 (2 distinct ones appear in 4 "
+                             "actions), got micro-batch 2: micro-batch 1 appears nowhere; "
                              "micro-batches are numbered from 0 without gaps"),
-    ("stage 0: F0 B0\nstage 1: F0@c2 B0@c2", "chunk 1 appears nowhere, but chunk 2 does"),
+    ("stage 0: F0 B0\nstage 1: F0@c2 B0@c2", "line 2: expected chunks 0..1 (2 distinct ones "
+                                              "appear in 4 actions), got chunk 2: chunk 1 "
+                                              "appears nowhere"),
     ("stage 0: F0 B0\nstage 1:", "line 2: stage 1 runs no action"),
 ])
 def test_malformed_text_names_the_line_and_what_was_expected(text, message):
@@ -152,3 +155,162 @@ def test_a_bad_file_is_named_in_the_error(tmp_path):
         read_schedule(path)
     with pytest.raises(FileNotFoundError):
         read_schedule(tmp_path / "missing.txt")
+
+
+# Bounded input (issue 39, item 5): text is read in O(actions) time and memory, ASCII digits.
+
+SIXTY_BYTES = "stage 0: F0 B0 F99999999999999999999 B99999999999999999999"
+
+# A fresh interpreter under a 1 GiB address-space limit, set before schedules is imported:
+# the parse of the 60-byte timetable must be a ScheduleError, within a second.
+_LIMITED_PARSE = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from schedules import Schedule, ScheduleError
+start = time.perf_counter()
+try:
+    Schedule.parse(sys.argv[1])
+except ScheduleError as error:
+    print(f"ScheduleError {time.perf_counter() - start:.6f}")
+    print(error)
+except MemoryError:
+    print("MemoryError")
+"""
+
+
+def test_the_60_byte_timetable_is_a_schedule_error_within_a_second_under_1_gib():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LIMITED_PARSE, SIXTY_BYTES],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    verdict, seconds, *_ = done.stdout.split()
+    assert verdict == "ScheduleError", done.stdout
+    assert float(seconds) < 1.0
+    assert ("line 1 (stage 0), action 3: micro-batch 99999999999999999999 is past what the "
+            "text's 4 actions can number: expected a micro-batch below 4") in done.stdout
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    # (the 60-byte case itself runs in a child under a memory limit, above: on today's main
+    # it would take 24 GiB of this process)
+    ("stage 0: F0 B0 F1000000 B1000000\nstage 1: F0@c1 B0@c1",
+     "line 1 (stage 0), action 3: micro-batch 1000000 is past what the text's 6 actions can "
+     "number: expected a micro-batch below 6 (they are numbered from 0 without gaps, each run "
+     "by an action)"),
+    ("stage 0: F0 B0\nstage 1: F0@c1000000 B0@c1000000",
+     "line 2 (stage 1), action 1: chunk 1000000 is past what the text's 4 actions can number: "
+     "expected a chunk below 4"),
+    ("stage 0: F" + "9" * 5000, "line 1 (stage 0), action 1: micro-batch 999"),
+    ("stage 0: F0@c" + "7" * 5000, "line 1 (stage 0), action 1: chunk 777"),
+    ("stage " + "9" * 5000 + ": F0 B0", "line 1: expected stage 0 next (one line per stage, "
+                                         "in order from stage 0), got stage 999"),
+])
+def test_indices_past_what_the_actions_can_number_are_refused_without_building_them(
+        text, message):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ScheduleError, match=re.escape(message)):
+            Schedule.parse(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # today's set(range(max + 1)) takes tens of MiB for 10**6
+
+
+@pytest.mark.parametrize(("parse", "text", "message"), [
+    (parse_csv, "0F0,0B0,0F1000000,0B1000000", "row 1 (stage 0), cell 3: micro-batch 1000000 "
+                                              "is past what the text's 4 actions can number"),
+    (parse_csv, "0F0,0B0\n1000000F0,1000000B0", "row 2 (stage 1), cell 1: chunk 1000000 is past "
+                                               "what the text's 4 actions can number: expected "
+                                               "a chunk below 4"),
+    (parse_csv, "0F" + "9" * 5000, "row 1 (stage 0), cell 1: micro-batch 999"),
+    (parse_csv, "9" * 5000 + "F0", "row 1 (stage 0), cell 1: chunk 999"),
+    (parse_csv, "0F" + "9" * 200_000, "expected a compute-only CSV, one row of actions per "
+                                      "stage: field larger than field limit"),
+])
+def test_csv_indices_are_bounded_too(parse, text, message):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ScheduleError, match=re.escape(message)):
+            parse(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 20) + 16 * len(text)  # linear in the text, not in the index
+
+
+def test_a_file_holding_the_60_byte_timetable_is_refused(tmp_path):
+    # Pipe(schedule=<path>) reads files with read_schedule; Pipe(schedule=<text>) parses
+    # with Schedule.parse or parse_csv.
+    path = tmp_path / "huge.txt"
+    path.write_text(SIXTY_BYTES.replace("99999999999999999999", "1000000"))
+    with pytest.raises(ScheduleError, match=re.escape(
+            f"{path}: line 1 (stage 0), action 3: micro-batch 1000000 is past")):
+        read_schedule(path)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("stage 0: F\uff10 B\uff10", "action 1: expected an action like 'F3', 'B3', 'I3@c1' or "
+                                 "'W3@c1' (ASCII digits), got 'F\uff10'"),
+    ("stage 0: F0 B0\nstage 1: F0@c\uff11 B0@c1", "line 2 (stage 1), action 1"),
+    ("stage \uff10: F0 B0", "line 1: expected 'stage 0: <actions>'"),
+    ("stage 0: F\u0660 B\u0660", "line 1 (stage 0), action 1"),  # Arabic-Indic zero
+])
+def test_only_ascii_digits_are_digits(text, message):
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        Schedule.parse(text)
+
+
+@pytest.mark.parametrize("text", ["\uff10F0,0B0", "0F\uff10,0B0", "0F0,0B\u0660"])
+def test_only_ascii_digits_are_digits_in_csv(text):
+    with pytest.raises(ScheduleError, match="expected a compute action"):
+        parse_csv(text)
+
+
+@pytest.mark.parametrize("text", ["F\uff13", "F3@c\uff11", "B\u0663"])
+def test_an_action_has_ascii_digits(text):
+    with pytest.raises(ValueError, match="expected an action like 'F3' or 'I3@c1'"):
+        Action.parse(text)
+
+
+# A timetable whose lines name no chunk (issue 39, item 7): stage s runs chunk s.
+
+def _without_chunks(schedule):
+    return "\n".join(
+        f"stage {stage}: " + " ".join(f"{a.op.value}{a.microbatch}" for a in actions)
+        for stage, actions in enumerate(schedule.order))
+
+
+@pytest.mark.parametrize(("name", "stages", "microbatches"),
+                         [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 3, 5), ("zb-h1", 4, 6)])
+def test_lines_that_name_no_chunk_run_chunk_s_on_stage_s(name, stages, microbatches):
+    expected = get_schedule(name, stages, microbatches)
+    text = _without_chunks(expected)
+    assert "@c" not in text
+    assert Schedule.parse(text, name=expected.name) == expected
+    validate(Schedule.parse(text))
+
+
+def test_a_hand_written_1f1b_without_chunks_is_one_f_one_b(tmp_path):
+    text = """
+    stage 0: F0 F1 B0 F2 B1 F3 B2 B3
+    stage 1: F0 B0 F1 B1 F2 B2 F3 B3
+    """
+    assert Schedule.parse(text, name="1f1b") == get_schedule("1f1b", 2, 4)
+    (tmp_path / "1f1b.txt").write_text(text)
+    assert read_schedule(tmp_path / "1f1b.txt") == get_schedule("1f1b", 2, 4)
+
+
+def test_a_text_naming_chunks_on_some_lines_only_is_refused_with_the_two_readings():
+    with pytest.raises(ScheduleError, match=re.escape(
+            "line 2: chunk 0 runs on stage 1 (F0) and on stage 0 (line 1); a model chunk "
+            "lives on one stage. An action without '@c' is chunk 0 when any action names its "
+            "chunk (line 2 names B0@c1): name the chunk of every action on the other stages' "
+            "lines, or name no chunk on any line (stage s then runs chunk s)")):
+        Schedule.parse("stage 0: F0 B0\nstage 1: F0 B0@c1")
