@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 from torch import nn
@@ -75,10 +75,12 @@ class Distributed:
         replicas along ``"dp"``, tensor parallelism along ``"tp"``.
 
         Raises:
+            TypeError: ``mesh`` is not a ``DeviceMesh``.
             ValueError: a mesh without a ``"pp"`` dimension, or with one of another name; a
                 ``"tp"`` dimension larger than 1 without ``tensor_parallel``, or
                 ``tensor_parallel`` without one.
         """
+        _check_mesh(mesh)
         names = tuple(mesh.mesh_dim_names or ())
         unknown = [name for name in names if name not in MESH_DIMENSIONS]
         if "pp" not in names or unknown:
@@ -148,3 +150,12 @@ def layout_of(distributed: Distributed | None, mesh: DeviceMesh | None,
     if group is not None:
         return Distributed(group)
     return distributed
+
+
+def _check_mesh(mesh: Any) -> None:
+    """Raise TypeError unless ``mesh`` is a torch ``DeviceMesh``, saying what was given."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"Distributed.from_mesh: expected a torch.distributed.device_mesh.DeviceMesh "
+            f"(init_device_mesh(device, (pp, dp), mesh_dim_names=('pp', 'dp'))), got "
+            f"{type(mesh).__name__}: {mesh!r:.80}")
