@@ -30,12 +30,22 @@ object collective runs and every wait is bounded by the Pipe's ``timeout`` (Peer
 torch's errors reach the caller as a ``CheckpointError`` (a ``ValueError``) whose message
 is their first line.
 
-Writes are atomic at the directory level: every rank writes into ``.<name>.partial``
-beside ``path`` (marked by an ``.incomplete`` file), and after a barrier the first rank
-removes the mark and renames the directory into place. A run killed during the save
-leaves the previous checkpoint (or none) at ``path``; the leftover is removed by the
-next save. A directory without DCP's ``.metadata`` file, or with the mark, is refused.
-Every rank must see the same file system.
+Writes are atomic at the directory level and never delete what they did not write
+(``pipeline.checkpointing.target``): ``path`` must be absent, empty, or a checkpoint of
+ours, else the save is refused before a byte is written (a user's files, a file, a link,
+the current directory). The first rank locks ``path`` for the whole save (a second saver
+is refused); every rank writes into ``.<name>.partial`` beside ``path`` (marked by an
+``.incomplete`` file), and after a barrier the first rank removes the mark and swaps the
+directory into place in one step. A run killed during the save leaves the previous
+checkpoint (or none) at ``path``; the leftover is removed by the next save. A directory
+without DCP's ``.metadata`` file, or with the mark, is refused. Every rank must see the
+same file system.
+
+Loading reads only regular files of the directory (a file replaced by a symbolic link is
+refused; the directory itself may be reached through one), and checks every size and
+offset the manifest claims against the files' real sizes before it allocates anything
+(``pipeline.checkpointing.bounds``). Everything it raises is a ``CheckpointError``, but
+for a ``PeerError`` (a peer that did not answer).
 
 Not saved: learning-rate schedulers, gradient scalers, CUDA generators and data-loader
 positions (save them beside the checkpoint if needed). The optimizer's hyperparameters
@@ -44,7 +54,6 @@ positions (save them beside the checkpoint if needed). The optimizer's hyperpara
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +79,15 @@ from pipeline.checkpointing.manifest import (
     verify,
     write_manifest,
 )
+from pipeline.checkpointing.target import (
+    INCOMPLETE_MARK,
+    absolute,
+    discard,
+    previous_of,
+    staging_of,
+    take,
+)
+from pipeline.checkpointing.target import publish as _publish
 from pipeline.checkpointing.state import (
     Layout,
     Reading,
@@ -90,7 +108,6 @@ __all__ = ["CheckpointError", "INCOMPLETE_MARK", "MANIFEST_FILE", "METADATA_FILE
            "check_complete", "load_checkpoint", "load_into_model", "save_checkpoint",
            "save_model_checkpoint"]
 
-INCOMPLETE_MARK = ".incomplete"  # inside a directory still being written
 T = TypeVar("T")
 
 
@@ -125,13 +142,15 @@ def save_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
         step: the training step, returned by ``load_checkpoint``.
 
     Raises:
-        ValueError: the optimizer holds a parameter this rank's layers do not.
-        CheckpointError: a rank failed to plan or write its part (on every rank, naming
-            that rank and its error).
+        CheckpointError: ``path`` holds something other than a checkpoint of ours (a
+            user's files, named; a file; a link), is the current directory or above it,
+            another save to it is in progress, it cannot be written (the system's reason),
+            the optimizer holds a parameter this rank's layers do not, or a rank failed to
+            plan or write its part (on every rank, naming that rank and its error). Nothing
+            at ``path`` changed then.
         PeerError: a rank did not take part within the Pipe's timeout.
-        OSError: the directory could not be written.
     """
-    _save(_scope_of_pipe(pipe), optimizer, Path(path), step)
+    _save(_scope_of_pipe(pipe), optimizer, path, step)
 
 
 def load_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
@@ -147,13 +166,13 @@ def load_checkpoint(pipe: Pipe, optimizer: torch.optim.Optimizer | None,
     afterwards. Gradients are kept.
 
     Raises:
-        FileNotFoundError: no directory at ``path``.
-        ValueError: ``path`` is not a complete checkpoint (no ``.metadata``, or a save
-            that was interrupted).
-        CheckpointError (a ValueError): the checkpoint does not fit (keys missing or
-            unexpected, another shape, another kind of optimizer, a tie it would break),
-            or a file is not what was saved (naming the file); with a group, every rank
-            raises, the others naming the rank that failed.
+        CheckpointError (a ValueError): no directory at ``path``; not a complete
+            checkpoint (no ``.metadata``, or a save that was interrupted); the checkpoint
+            does not fit (keys missing or unexpected, another shape, another kind of
+            optimizer, a tie it would break); a file is not what was saved, is a link or
+            not a regular file, or the manifest claims bytes past its end (naming the
+            file); the system failed to read it. With a group, every rank raises, the
+            others naming the rank that failed.
         PeerError: a rank did not take part within the Pipe's timeout.
     """
     return _load(_scope_of_pipe(pipe), optimizer, Path(path))
@@ -172,29 +191,32 @@ def load_into_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
 def save_model_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                           path: str | os.PathLike[str], step: int) -> None:
     """Write the unpipelined model's checkpoint (one process), loadable by any Pipe cut."""
-    _save(_one_process(model), optimizer, Path(path), step)
+    _save(_one_process(model), optimizer, path, step)
 
 
 def check_complete(path: str | os.PathLike[str]) -> Path:
     """``path`` as a Path when it holds a complete checkpoint.
 
+    ``path`` itself may be a symbolic link to the directory (``latest -> step-1000``); the
+    files in it may not (``load_checkpoint`` refuses them).
+
     Raises:
-        FileNotFoundError: nothing at ``path`` (naming the previous checkpoint a save
-            interrupted while replacing it left beside it, if any).
-        ValueError: ``path`` is not a directory, has no ``.metadata`` or is still marked
-            incomplete.
+        CheckpointError: nothing at ``path`` (naming the previous checkpoint a save
+            interrupted while replacing it left beside it, if any), not a directory, no
+            ``.metadata``, or still marked incomplete.
     """
     directory = Path(path)
     if not directory.exists():
-        previous = _previous_of(directory)
+        previous = previous_of(absolute(directory))
         hint = (f"; a save interrupted while replacing it left the previous checkpoint at "
                 f"{previous}" if previous.is_dir() else "")
-        raise FileNotFoundError(f"no checkpoint at {directory}{hint}")
+        raise CheckpointError(f"no checkpoint at {directory}{hint}")
     if not directory.is_dir():
-        raise ValueError(f"{directory} is not a checkpoint directory (save_checkpoint writes "
-                         f"a directory; a single-file state dict loads with torch.load)")
+        raise CheckpointError(f"{directory} is not a checkpoint directory (save_checkpoint "
+                              f"writes a directory; a single-file state dict loads with "
+                              f"torch.load)")
     if (directory / INCOMPLETE_MARK).exists() or not (directory / METADATA_FILE).is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} is not a complete checkpoint: "
             + ("it is marked as being written (a save that was interrupted or is still running)"
                if (directory / INCOMPLETE_MARK).exists() else
@@ -238,16 +260,17 @@ def _check_optimizer(scope: _Scope, optimizer: torch.optim.Optimizer | None) -> 
     foreign = sum(1 for group in optimizer.param_groups for p in group["params"]
                   if id(p) not in held)
     if foreign:
-        raise ValueError(f"the optimizer holds {foreign} parameter(s) that this rank's layers "
-                         f"do not: build it over pipe.parameters()")
+        raise CheckpointError(f"the optimizer holds {foreign} parameter(s) that this rank's "
+                              f"layers do not: build it over pipe.parameters()")
 
 
 def _attempt(work: Callable[[], T], what: str) -> tuple[T | None, BaseException | None]:
-    """``work()``, or the error it raised; torch's own errors become a CheckpointError whose
-    message is their first line (DCP's CheckpointException is not even an Exception)."""
+    """``work()``, or the error it raised; torch's own errors and the system's (OSError)
+    become a CheckpointError whose message is their first line (DCP's CheckpointException
+    is not even an Exception)."""
     try:
         return work(), None
-    except (CheckpointError, PeerError, OSError) as error:
+    except (CheckpointError, PeerError) as error:
         return None, error
     except Exception as error:  # noqa: BLE001 - reported on every rank by _agree
         line = (str(error).strip().splitlines() or [""])[0][:500]
@@ -279,23 +302,30 @@ def _agree(scope: _Scope, failure: BaseException | None, what: str, mine: Any = 
 # -- saving ----------------------------------------------------------------------------------
 
 
-def _staging_of(target: Path) -> Path:
-    return target.parent / f".{target.name}.partial"
-
-
-def _previous_of(target: Path) -> Path:
-    return target.parent / f".{target.name}.previous"
-
-
-def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None, target: Path,
-          step: int) -> None:
+def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None,
+          path: str | os.PathLike[str], step: int) -> None:
     _check_optimizer(scope, optimizer)
-    staging, rank = _staging_of(target), scope.ranks.rank
-    _, failure = _attempt(lambda: _prepare(staging, target) if scope.coordinator else None,
-                          "preparing the checkpoint directory")
-    _agree(scope, failure, "preparing the checkpoint directory")
+    target = absolute(path)
+    staging = staging_of(target)
+    lock, failure = _attempt(lambda: take(target) if scope.coordinator else None,
+                             "preparing the checkpoint directory")
+    try:
+        _agree(scope, failure, "preparing the checkpoint directory")
+        _write(scope, optimizer, staging, target, step)
+    except Exception:
+        if lock is not None:  # an ordinary failure leaves nothing; a killed save, its staging
+            discard(staging)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
 
+
+def _write(scope: _Scope, optimizer: torch.optim.Optimizer | None, staging: Path,
+           target: Path, step: int) -> None:
+    """Every rank's shards into ``staging``, then the first rank publishes it at ``target``."""
     saving: list[RankSave] = []
+    rank = scope.ranks.rank
 
     def plan() -> dict[str, Any]:
         state = save_state(scope.layout, optimizer, step, rank)
@@ -329,39 +359,6 @@ def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None, target: Path,
 
     _, failure = _attempt(finish, "publishing the checkpoint")
     _agree(scope, failure, "publishing the checkpoint")  # nobody returns before it is in place
-
-
-def _prepare(staging: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)  # what an interrupted save left
-    staging.mkdir()
-    (staging / INCOMPLETE_MARK).write_bytes(b"")
-
-
-def _publish(staging: Path, target: Path) -> None:
-    """Move the finished ``staging`` to ``target``; the old ``target`` goes only after."""
-    (staging / INCOMPLETE_MARK).unlink()
-    _fsync_directory(staging)
-    previous = _previous_of(target)
-    shutil.rmtree(previous, ignore_errors=True)
-    if target.exists():
-        os.replace(target, previous)  # a directory cannot replace a non-empty one in one step
-    os.replace(staging, target)
-    _fsync_directory(target.parent)
-    shutil.rmtree(previous, ignore_errors=True)
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # not every platform opens directories
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
 
 
 # -- loading ---------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_a_saver_killed_midway_leaves_a_directory_that_is_refused(tmp_path: Path
     (staging / INCOMPLETE_MARK).unlink()  # even without the mark: no .metadata, no load
     with pytest.raises(ValueError, match=r"no \.metadata file"):
         load_into_model(model, None, staging)
-    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_into_model(model, None, tmp_path / "never-written")
     assert load_into_model(model, torch.optim.SGD(model.parameters(), lr=0.1), target) == 5
 
