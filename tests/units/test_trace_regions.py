@@ -141,6 +141,20 @@ def test_autocast_regions_run_as_in_the_plain_model(schedule: str) -> None:
         assert (grad - expected).abs().max().item() <= 1e-3 * expected.abs().max().item(), name
 
 
+@pytest.mark.parametrize("make", [Centred, _autocast_model])
+def test_regions_run_in_the_evaluation_forward(make: Any) -> None:
+    """The evaluation program keeps its regions too: ``pipe(x)`` after ``model.eval()``
+    returns the plain model's output."""
+    model = make()
+    batch, _ = looped_batch()
+    with Pipe(model, chunks=2, sample=batch, devices=["cpu", "cpu"], loss_fn=mse) as pipe:
+        model.eval()
+        with torch.no_grad():
+            output = pipe(batch)
+            expected = model(**batch)
+    assert (output - expected).abs().max().item() < 1e-12
+
+
 def _t5() -> nn.Module:
     """A tiny T5ForConditionalGeneration with its default config (``use_cache=True``, which
     its decoder holds in a config of its own)."""
