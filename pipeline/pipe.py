@@ -408,8 +408,10 @@ class Pipe(ModelLike):
                              "similar, or trace it with labels in the sample (the model's own loss)")
         if self.loss_fn is None and target is None:
             target = own_loss_target(x, self._ranks.size == 1)
-        if self._traced is not None and x is not None:
-            self._traced.check_batch(x)
+        if self._traced is not None:
+            self._traced.check_model()
+            if x is not None:
+                self._traced.check_batch(x)
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
         runner = self._ensure_runner(x)
         if self.loss_fn is None:
@@ -487,8 +489,10 @@ class Pipe(ModelLike):
     def _forward(self, x: Any) -> Any:
         if x is None and self._ranks.size == 1:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
-        if self._traced is not None and x is not None:
-            self._traced.check_batch(x)
+        if self._traced is not None:
+            self._traced.check_model()
+            if x is not None:
+                self._traced.check_batch(x)
         inputs = split(x, self.chunks) if x is not None else None
         runner = self._ensure_runner(x)
         outputs = runner.run_forward(inputs)

@@ -95,6 +95,7 @@ class _LinearForward:
     """An installed Linear's ``forward``: deferred inside its chunk's split, else Linear's own."""
 
     __slots__ = ("module",)
+    runs_the_class_forward = True  # outside a split: a tracer may ignore it
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
@@ -118,6 +119,7 @@ class _AttentionForward:
     inside its chunk's split."""
 
     __slots__ = ("module",)
+    runs_the_class_forward = True  # outside a split: a tracer may ignore it
 
     def __init__(self, module: nn.MultiheadAttention) -> None:
         self.module = module
@@ -134,6 +136,7 @@ class _ConvolutionForward:
     input, else the class's own."""
 
     __slots__ = ("module",)
+    runs_the_class_forward = True  # outside a split: a tracer may ignore it
 
     def __init__(self, module: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> None:
         self.module = module

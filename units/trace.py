@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,65 +29,50 @@ from torch.utils import _pytree as pytree
 
 from units.calls import CallSpec, as_call
 from units.errors import TraceError
+from units.signature import ModelState
 from units.programs import is_subgraph
 
 
 _KEPT_TRACES = 16
 
 
-def export_model(model: nn.Module, sample: Any, training: bool
+def export_model(model: nn.Module, sample: Any, modes: tuple[bool, ...]
                  ) -> tuple[torch.fx.GraphModule, CallSpec]:
-    """``model``'s forward on ``sample`` as a graph (``_export``), kept for the next model of
-    the same make: a trace costs seconds, and a Pipe built on a copy of a model (every rank
-    and every test builds one) would pay it again. The programs cut from it read the
-    model's tensors by name at each call, so a trace serves every model whose modules,
-    tensors' names, shapes and dtypes, plain attributes (flags, sizes) and config are the
-    same; anything else is traced anew. The last ``_KEPT_TRACES`` are kept, without the
-    tensors of the model they were traced on."""
-    key = _fingerprint(model, sample, training)
-    if key in _TRACES:
-        _TRACES[key] = _TRACES.pop(key)  # most recently used last
-    else:
-        graph_module, call = _export(model, sample, training)
-        _TRACES[key] = (_without_model_state(graph_module), call)
-        while len(_TRACES) > _KEPT_TRACES:
-            _TRACES.pop(next(iter(_TRACES)))
-    return _TRACES[key]
+    """``model``'s forward on ``sample``, each submodule in the mode ``modes`` gives it (in
+    ``model.modules()`` order), as a graph (``_export``), kept for the next model of the
+    same make: a trace costs seconds, and a Pipe built on a copy of a model (every rank and
+    every test builds one) would pay it again. The programs cut from it read the model's
+    tensors by name at each call, so a trace serves every model whose modules, tensors'
+    names, shapes and dtypes, attributes of any type, instance forwards, hooks, modes and
+    config are the same (``ModelState.same_make``); anything else is traced anew. The last
+    ``_KEPT_TRACES`` are kept, without the tensors of the model they were traced on."""
+    key = _fingerprint(model, sample, modes)
+    state = ModelState.of(model)
+    for index, (kept_key, kept_state, trace) in enumerate(_TRACES):
+        if kept_key == key and kept_state.same_make(state):
+            _TRACES.append(_TRACES.pop(index))  # most recently used last
+            return trace
+    graph_module, call = _export(model, sample, modes)
+    _TRACES.append((key, state, (_without_model_state(graph_module), call)))
+    del _TRACES[:-_KEPT_TRACES]
+    return _TRACES[-1][2]
 
 
-_TRACES: dict[Any, tuple[torch.fx.GraphModule, CallSpec]] = {}
+_TRACES: list[tuple[Any, ModelState, tuple[torch.fx.GraphModule, CallSpec]]] = []
 
 
-def _fingerprint(model: nn.Module, sample: Any, training: bool) -> Any:
+def _fingerprint(model: nn.Module, sample: Any, modes: tuple[bool, ...]) -> Any:
+    """The sample's structure and tensors, the model's tensors and ties, and the modes: what
+    a trace depends on that is cheap to compare (``ModelState`` holds the rest)."""
     leaves, structure = pytree.tree_flatten(as_call(sample))
     described = tuple((tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor)
                       else (type(leaf), repr(leaf)) for leaf in leaves)
-    modules = tuple((name, type(module), _plain_attributes(module)) for name, module in
-                    model.named_modules(remove_duplicate=False))
     tensors = tuple((name, tuple(tensor.shape), tensor.dtype, tensor.device,
                      isinstance(tensor, nn.Parameter), tensor.requires_grad) for name, tensor in
                     [*model.named_parameters(remove_duplicate=False),
                      *model.named_buffers(remove_duplicate=False)])
     ties = tuple(sorted(_ties(model)))
-    config = repr(getattr(model, "config", None))
-    return (training, str(structure), described, modules, tensors, ties, config,
-            hook_signature(model))
-
-
-def hook_signature(model: nn.Module) -> tuple[Any, ...]:
-    """The hooks a trace depends on: each module's forward (pre-)hooks, which the graph
-    keeps as they were at the trace, and the global ones."""
-    from torch.nn.modules import module as module_hooks
-
-    found: list[Any] = []
-    for name, module in model.named_modules():
-        hooks = (tuple(map(id, module._forward_pre_hooks.values())),
-                 tuple(map(id, module._forward_hooks.values())))
-        if any(hooks):
-            found.append((name, hooks))
-    global_hooks = tuple(tuple(map(id, table.values())) for table in (
-        module_hooks._global_forward_pre_hooks, module_hooks._global_forward_hooks))
-    return tuple(found), global_hooks
+    return (modes, str(structure), described, tensors, ties)
 
 
 def _check_no_backward_hooks(model: nn.Module) -> None:
@@ -112,9 +98,10 @@ def _refusing_tensor_hooks(model: nn.Module) -> Iterator[None]:
     """A forward that registers a tensor hook (``h.register_hook(...)``) would lose it in
     the graph, silently: while tracing, such a call is an error naming where it was made."""
     original: Callable[..., Any] = torch.Tensor.register_hook
+    tracer = threading.get_ident()  # a re-trace runs beside stages that register hooks
 
     def refuse(tensor: torch.Tensor, hook: Any) -> Any:
-        if isinstance(tensor, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or threading.get_ident() != tracer:
             return original(tensor, hook)
         import traceback
 
@@ -130,12 +117,6 @@ def _refusing_tensor_hooks(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.Tensor.register_hook = original  # type: ignore[method-assign]
-
-
-def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted((key, repr(value)) for key, value in vars(module).items()
-                        if key != "training" and isinstance(value, (bool, int, float, str,
-                                                                      type(None), tuple))))
 
 
 def _ties(model: nn.Module) -> list[tuple[str, ...]]:
@@ -159,16 +140,17 @@ def _without_model_state(graph_module: torch.fx.GraphModule) -> torch.fx.GraphMo
     return graph_module
 
 
-def _export(model: nn.Module, sample: Any, training: bool
+def _export(model: nn.Module, sample: Any, modes: tuple[bool, ...]
             ) -> tuple[torch.fx.GraphModule, CallSpec]:
     """``model``'s forward on ``sample``, as a graph module over the model's own tensors.
 
     Args:
-        model: any module; its mode is set to ``training`` for the trace and restored.
+        model: any module; its submodules' modes are set to ``modes`` for the trace and
+            restored.
         sample: a batch as the model takes it (tensor, tuple of arguments, dict of
             keyword arguments).
-        training: trace the training-mode forward (dropout drawn, batch statistics) or
-            the evaluation one.
+        modes: each submodule's mode, in ``model.modules()`` order (dropout drawn or
+            not, batch or running statistics).
 
     Raises:
         TraceError: export refused the model; the message names the module where it can.
@@ -176,7 +158,7 @@ def _export(model: nn.Module, sample: Any, training: bool
     _check_no_backward_hooks(model)
     args, kwargs = as_call(sample)
     oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
-    with _mode(model, training), _no_cache(model), oblivious, _refusing_tensor_hooks(model), \
+    with _mode(model, modes), _no_cache(model), oblivious, _refusing_tensor_hooks(model), \
             _keywords_named(model, kwargs):
         shapes = _dynamic_shapes(model, args, kwargs)
         try:
@@ -246,14 +228,15 @@ def _keywords_named(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _mode(model: nn.Module, training: bool) -> Iterator[None]:
-    modes = {module: module.training for module in model.modules()}
-    model.train(training)
+def _mode(model: nn.Module, modes: tuple[bool, ...]) -> Iterator[None]:
+    before = [(module, module.training) for module in model.modules()]
+    for (module, _), training in zip(before, modes):
+        module.training = training
     try:
         yield
     finally:
-        for module, mode in modes.items():
-            module.training = mode
+        for module, training in before:
+            module.training = training
 
 
 @contextlib.contextmanager

@@ -8,18 +8,20 @@ Sequential as they always have. Its state-dict keys are ``"<unit>.<the model's k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from units.boundaries import assign_units, block_run
+from units.boundaries import block_run
 from units.errors import TraceError
-from units.programs import Program, cut_programs
-from units.trace import export_model, hook_signature
+from units.programs import Program
+from units.signature import ModelState, mode_differences, modes
+from units.trace import export_model
 from units.unit import Unit, attach
+from units.variants import Retracer, cut_units
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,13 @@ class UnitInfo:
 class TracedModel:
     """A model cut into units: ``sequential`` runs it, ``units`` describes the cut."""
 
-    def __init__(self, model: nn.Module, sequential: nn.Sequential, infos: list[UnitInfo]):
+    def __init__(self, model: nn.Module, sequential: nn.Sequential, infos: list[UnitInfo],
+                 traced_modes: dict[bool, tuple[bool, ...]]):
         self.model = model
         self.sequential = sequential
         self.units = tuple(infos)
-        self._hooks = hook_signature(model)  # the graph keeps the forward hooks of the trace
+        self._modes = traced_modes
+        self._state = ModelState.of(model)  # what the graphs took from the model
 
     def check_batch(self, batch: Any) -> None:
         """Raise ValueError now, before a step begins, for a batch the first unit would refuse
@@ -50,11 +54,23 @@ class TracedModel:
         first = self.sequential[0]
         assert isinstance(first, Unit)
         first.check(batch)
-        if hook_signature(self.model) != self._hooks:
+
+    def check_model(self) -> None:
+        """Raise ValueError now, before a step begins, if the model is no longer the one its
+        graphs were traced from: an attribute, a module, an instance forward, a hook or a
+        submodule's mode changed since (the graphs would run the model as it was).
+
+        What it costs a step: a walk over the model's modules and a comparison of their
+        attributes (``benchmarks/bench_trace_check.py``)."""
+        changes = self._state.differences(ModelState.of(self.model), same_object=True)
+        changes += mode_differences(self.model, self._modes[self.model.training])
+        if changes:
+            shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more"
+                                               if len(changes) > 4 else "")
             raise ValueError(
-                "a forward hook was added to or removed from the model since the Pipe traced "
-                "it; its graph keeps the hooks it was traced with: build a new Pipe (the "
-                "trace is redone for the model's new hooks)"
+                f"the model changed since the Pipe traced it ({shown}): its graphs run the "
+                f"model as it was traced. Build a new Pipe for the model as it is now (it "
+                f"traces it again), or undo the change"
             )
 
     def view(self, indices: Sequence[int]) -> nn.Module:
@@ -111,8 +127,8 @@ class TracedModel:
         return found
 
 
-def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
-              ) -> TracedModel:
+def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
+              rewrite: Callable[[fx.GraphModule], Any] | None = None) -> TracedModel:
     """Trace ``model`` with ``sample`` (training and evaluation modes) and cut it.
 
     Args:
@@ -122,6 +138,8 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
         units: module names (as in ``model.named_modules()``) where units begin, in the
             order the forward runs them; None: the prologue, each block of the model's
             main run of same-class blocks, and the epilogue.
+        rewrite: a pass over every program's graph, those of later traces too (the
+            Pipe points a traced Linear at the functions that defer its weight gradient).
 
     Raises:
         TraceError: the model cannot be traced, or ``units`` names no module it runs.
@@ -151,13 +169,11 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
     traced: dict[bool, fx.GraphModule] = {}
     cut: dict[bool, tuple[list[Program], list[Any]]] = {}
     call = None
+    mixes = _traced_modes(model)
     for training in (True, False):
-        graph_module, call = export_model(model, sample, training)
-        unit_of = assign_units(graph_module.graph, starts, epilogue=units is None)
-        unit_of = _without_empty_units(unit_of)
-        count = max(unit_of.values()) + 1
+        graph_module, call = export_model(model, sample, mixes[training])
         traced[training] = graph_module
-        cut[training] = cut_programs(graph_module, unit_of, count)
+        cut[training] = cut_units(graph_module, starts, units is None)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != call.leaves:
             raise TraceError(f"the traced graph takes {len(placeholders)} inputs, the sample "
@@ -166,18 +182,27 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
     if len(counts) != 1:
         raise TraceError("the training and evaluation forwards cut into different numbers of "
                          "units: pass units=[...]")
-    return _assemble(model, traced, cut, call, starts, units is None)
+    sequential = _assemble(model, traced, cut, call, starts, units is None, mixes)
+    units_cut = [unit for unit in sequential.sequential if isinstance(unit, Unit)]
+    units_cut[0].grow = Retracer(model, units_cut, starts, units is None, mixes, rewrite)
+    for unit in units_cut if rewrite is not None else []:
+        for graph in unit.graphs:
+            rewrite(graph)  # type: ignore[misc]
+    return sequential
 
 
-def _without_empty_units(unit_of: dict[fx.Node, int]) -> dict[fx.Node, int]:
-    used = sorted(set(unit_of.values()))
-    renumber = {old: new for new, old in enumerate(used)}
-    return {node: renumber[unit] for node, unit in unit_of.items()}
+def _traced_modes(model: nn.Module) -> dict[bool, tuple[bool, ...]]:
+    """The submodules' modes each graph is traced in: in the root's present mode, as they
+    are now (a BatchNorm frozen in a training model stays frozen); in the other, all alike."""
+    now = modes(model)
+    return {training: now if model.training == training else (training,) * len(now)
+            for training in (True, False)}
 
 
 def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
               cut: dict[bool, tuple[list[Program], list[Any]]], call: Any,
-              starts: list[str], default: bool) -> TracedModel:
+              starts: list[str], default: bool, mixes: dict[bool, tuple[bool, ...]]
+              ) -> TracedModel:
     programs = {mode: cut[mode][0] for mode in cut}
     count = len(programs[True])
     mode = _RootMode(model)
@@ -192,7 +217,7 @@ def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
                           outputs if index == count - 1 else None))
         sequential.append(units[-1])
     infos = _hold_state(model, units, programs, traced)
-    return TracedModel(model, sequential, infos)
+    return TracedModel(model, sequential, infos, mixes)
 
 
 def _unit_name(index: int, count: int, starts: list[str], default: bool) -> str:

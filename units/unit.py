@@ -4,8 +4,15 @@ A unit holds the model's submodules (the same objects) at the paths they have in
 model, so its ``state_dict`` keys are the model's own keys, its parameters are the
 model's ``Parameter`` objects, and whatever the runtime does to a module (move it to a
 device, free it to ``meta``, shard it with FSDP) the unit's program sees at its next call.
-It keeps one program per mode (training, evaluation): a traced graph freezes dropout's
-and BatchNorm's mode, so the unit runs the one traced in the root model's present mode.
+It keeps programs per mode (training, evaluation): a traced graph freezes dropout's and
+BatchNorm's mode, so the unit runs one traced in the root model's present mode.
+
+Within a mode it may keep several variants, each cut from a trace of other sizes: a model
+whose code branches on a size (a one-token sequence, a one-row batch) is traced again for a
+micro-batch that breaks a guard of the first trace (``grow``). Every unit picks the first
+variant, most recent first, whose inputs fit the values it is handed (each traced size
+equal, each dynamic one in the range the trace allows, a dimension traced twice the same
+both times), so that the units of one micro-batch all run the variant its first unit ran.
 """
 
 from __future__ import annotations
@@ -21,56 +28,94 @@ from units.calls import CallSpec
 from units.programs import Program, constant_value
 
 
+Outputs = tuple[Sequence[Any], pytree.TreeSpec]
+
+
 class Unit(nn.Module):
     """Unit ``index`` of a traced model, named after the modules it runs (``name``)."""
 
     def __init__(self, index: int, name: str, programs: dict[bool, Program],
                  mode: Callable[[], bool], call: CallSpec | None,
-                 outputs: dict[bool, tuple[Sequence[Any], pytree.TreeSpec]] | None) -> None:
+                 outputs: dict[bool, Outputs] | None) -> None:
         super().__init__()
         self.index = index
         self.name = name
-        self._programs = programs
+        self._variants: dict[bool, list[tuple[Program, Outputs | None]]] = {
+            training: [(program, outputs[training] if outputs is not None else None)]
+            for training, program in programs.items()}
         self._mode = mode
         self._call = call            # the first unit: how the batch is flattened
-        self._outputs = outputs      # the last unit: how the model's output is rebuilt
+        self._last = outputs is not None  # the last unit: rebuilds the model's output
         self.lifted: set[str] = set()  # buffers of constants the trace lifted out of the code
+        # The first unit's way to a trace for a micro-batch that no variant runs (or None).
+        self.grow: Callable[[Any, bool], bool] | None = None
 
     @property
     def graphs(self) -> tuple[fx.GraphModule, ...]:
-        """The traced programs it runs: one per mode (training, evaluation)."""
-        return tuple(program.module for program in self._programs.values())
+        """The traced programs it runs: per mode (training, evaluation), every variant."""
+        return tuple(program.module for variants in self._variants.values()
+                     for program, _ in variants)
+
+    def add_variant(self, training: bool, program: Program, outputs: Outputs | None) -> None:
+        """Run ``program`` (cut from a trace of other sizes) first where its inputs fit."""
+        self._variants[training].insert(0, (program, outputs))
 
     def extra_repr(self) -> str:
         return f"{self.index}: {self.name}"
 
     def forward(self, carried: Any) -> Any:
         training = self._mode()
-        program = self._programs[training]
-        state = [self._read(path) for path in program.state]
         values = self._call.flatten(carried) if self._call is not None else carried
-        if len(values) != len(program.entry):
-            raise ValueError(f"unit {self.index} ({self.name}) takes {len(program.entry)} "
-                             f"values, got {len(values)}")
+        variant = self._pick(training, values)
+        if variant is None and self._grown(carried, training):
+            variant = self._pick(training, values)
+        if variant is None:
+            raise ValueError(
+                f"unit {self.index} ({self.name}) has no traced graph for values of these "
+                f"sizes ({_sizes(values)}); a micro-batch's sizes are traced where the first "
+                f"unit runs, and on ranks each rank traces only the batches it is given: pass "
+                f"the batch to pipe.step on every rank, or build the Pipe with a sample of "
+                f"such sizes"
+            )
         try:
-            results = program.module(*state, *values)
+            results = self._run(variant[0], values)
         except (RuntimeError, AssertionError) as error:
             if "Guard failed" not in str(error):
                 raise
-            raise ValueError(
-                f"this batch breaks an assumption the traced graph was built on "
-                f"({str(error).splitlines()[0].strip()}; a micro-batch holds a share of the "
-                f"batch's rows): the model's code branches on that size, so the graph traced "
-                f"for the sample cannot run it; build the Pipe with a sample of such sizes"
-            ) from None
-        if self._outputs is None:
+            if not self._grown(carried, training):
+                raise ValueError(
+                    f"this batch breaks an assumption the traced graph was built on "
+                    f"({str(error).splitlines()[0].strip()}; a micro-batch holds a share of "
+                    f"the batch's rows): the model's code branches on that size, and tracing "
+                    f"it for these sizes failed too; build the Pipe with a sample of such "
+                    f"sizes"
+                ) from None
+            variant = self._pick(training, values)
+            assert variant is not None
+            results = self._run(variant[0], values)
+        if variant[1] is None:
             return tuple(results)
-        places, spec = self._outputs[training]
+        places, spec = variant[1]
         leaves = []
         for place in places:
             constant, value = constant_value(place)
             leaves.append(value if constant else results[place])
         return pytree.tree_unflatten(leaves, spec)
+
+    def _run(self, program: Program, values: Sequence[Any]) -> Any:
+        state = [self._read(path) for path in program.state]
+        return program.module(*state, *values)
+
+    def _pick(self, training: bool, values: Sequence[Any]
+              ) -> tuple[Program, Outputs | None] | None:
+        for variant in self._variants[training]:
+            if fits(variant[0], values):
+                return variant
+        return None
+
+    def _grown(self, carried: Any, training: bool) -> bool:
+        """Whether a trace for this micro-batch was added (the first unit only)."""
+        return self.grow is not None and self.grow(carried, training)
 
     def check(self, batch: Any) -> None:
         """Raise ValueError for a batch (or a list of micro-batches) the first unit refuses."""
@@ -98,6 +143,48 @@ class Unit(nn.Module):
         """What this unit holds of the model, as ``attach`` took it: (path, module, None)
         for a module held whole, (path, None, (name, tensor, persistent)) for a tensor."""
         yield from _held(self, "")
+
+
+def fits(program: Program, values: Sequence[Any]) -> bool:
+    """Whether ``values`` have the sizes ``program``'s inputs were traced with: each traced
+    size equal, each dynamic one within its range and the same wherever it appears."""
+    entries = _entry_values(program)
+    if len(entries) != len(values):
+        return False
+    bound: dict[Any, int] = {}
+    for traced, value in zip(entries, values):
+        if not isinstance(traced, torch.Tensor) or not isinstance(value, torch.Tensor):
+            continue
+        if traced.dim() != value.dim():
+            return False
+        for size, given in zip(traced.shape, value.shape):
+            if isinstance(size, int):
+                if size != given:
+                    return False
+                continue
+            expr = size.node.expr
+            if not expr.is_Symbol:
+                continue
+            if bound.setdefault(expr, given) != given:
+                return False
+            allowed = size.node.shape_env.var_to_range.get(expr)
+            if allowed is not None and not bool(allowed.lower <= given <= allowed.upper):
+                return False
+    return True
+
+
+def _entry_values(program: Program) -> list[Any]:
+    """The traced (fake) values of a program's inputs after its state, kept on the program."""
+    found = program.module.__dict__.get("_entry_values")
+    if found is None:
+        placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
+        found = [n.meta.get("val") for n in placeholders[len(program.state):]]
+        program.module.__dict__["_entry_values"] = found
+    return found
+
+
+def _sizes(values: Sequence[Any]) -> str:
+    return ", ".join(str(tuple(v.shape)) for v in values if isinstance(v, torch.Tensor))
 
 
 def attach(root: nn.Module, path: str, module: nn.Module | None = None,

@@ -73,7 +73,7 @@ def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequent
                 f"nested Sequentials"
             )
         return model, None
-    from units import Unit, cut_model
+    from units import cut_model
 
     if isinstance(units, str) or (units is not None and not all(
             isinstance(name, str) for name in units)):
@@ -81,11 +81,8 @@ def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequent
     from split_backward.traced_linears import defer_traced_linears
 
     first = sample[0] if isinstance(sample, list) else sample
-    traced = cut_model(model, first, units)
-    for unit in traced.sequential:
-        assert isinstance(unit, Unit)
-        for graph in unit.graphs:  # their Linear layers defer under a split, as modules do
-            defer_traced_linears(graph)
+    # their Linear layers defer under a split, as modules do
+    traced = cut_model(model, first, units, rewrite=defer_traced_linears)
     return traced.sequential, traced
 
 

@@ -1,0 +1,96 @@
+"""Traces of other sizes: a micro-batch that breaks a guard of a model's trace gets its own.
+
+A model's code may branch on a size (attention masks for a one-token sequence, a one-row
+batch in a mixture of experts): export records the branch taken as a guard, and a graph
+traced with 8 rows and 12 tokens refuses a micro-batch of one row or one token. As
+``torch.compile`` recompiles on a failed guard, the first unit asks ``Retracer`` for a
+trace of the model on that micro-batch; it is cut at the same places and each unit keeps
+its program as a variant (``Unit.add_variant``). Later micro-batches of those sizes run it
+at no cost; traces are bounded (``MAX_VARIANTS`` a mode), cached by ``export_model`` for
+other models of the same make, and refused only when the new trace fails too.
+
+A re-trace costs what the first trace of that mode cost (one ``torch.export``: seconds on
+a CPU for a small Hugging Face model), once per new combination of traced sizes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import fx, nn
+
+from units.boundaries import assign_units
+from units.errors import TraceError
+from units.programs import Program, cut_programs
+from units.trace import export_model
+from units.unit import Unit
+
+MAX_VARIANTS = 4
+
+
+def cut_units(graph_module: fx.GraphModule, starts: Sequence[str], default: bool
+              ) -> tuple[list[Program], list[Any]]:
+    """A traced graph cut where units begin: per unit its program, and the output's leaves."""
+    unit_of = assign_units(graph_module.graph, list(starts), epilogue=default)
+    used = sorted(set(unit_of.values()))
+    renumber = {old: new for new, old in enumerate(used)}
+    unit_of = {node: renumber[unit] for node, unit in unit_of.items()}
+    return cut_programs(graph_module, unit_of, len(used))
+
+
+class Retracer:
+    """Traces the model on a micro-batch no unit variant runs, and gives every unit its
+    program of that trace (``__call__`` -> whether it did)."""
+
+    def __init__(self, model: nn.Module, units: Sequence[Unit], starts: Sequence[str],
+                 default: bool, modes: dict[bool, tuple[bool, ...]],
+                 rewrite: Callable[[fx.GraphModule], Any] | None) -> None:
+        self.model = model
+        self.units = list(units)
+        self.starts = list(starts)
+        self.default = default
+        self.modes = modes
+        self.rewrite = rewrite
+        self.added = {True: 0, False: 0}
+        self._lock = threading.Lock()
+
+    def __call__(self, sample: Any, training: bool) -> bool:
+        with self._lock:
+            if self.added[training] >= MAX_VARIANTS:
+                return False
+            try:
+                graph_module, _ = export_model(self.model, sample, self.modes[training])
+                programs, returned = cut_units(graph_module, self.starts, self.default)
+            except TraceError:
+                return False
+            if len(programs) != len(self.units) or not all(
+                    _readable(unit, program, graph_module)
+                    for unit, program in zip(self.units, programs)):
+                return False
+            outputs: Any = (returned, graph_module._out_spec)
+            for unit, program in zip(self.units, programs):
+                if self.rewrite is not None:
+                    self.rewrite(program.module)
+                unit.add_variant(training, program, outputs if unit is self.units[-1] else None)
+            self.added[training] += 1
+            return True
+
+
+def _readable(unit: Unit, program: Program, graph_module: fx.GraphModule) -> bool:
+    """Whether ``unit`` holds everything ``program`` reads, lifting the trace's constants
+    it does not hold yet (a constant of another value under a held name: no)."""
+    for path in program.state:
+        try:
+            held = Unit.read_from(unit, path)
+        except AttributeError:
+            held = None
+        lifted = getattr(graph_module, path, None) if "." not in path else None
+        if held is None and lifted is not None:
+            unit.register_buffer(path, lifted, persistent=False)
+            unit.lifted.add(path)
+        elif held is None or (lifted is not None and path in unit.lifted
+                              and not (held.shape == lifted.shape and bool((held == lifted).all()))):
+            return False
+    return True
