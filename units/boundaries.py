@@ -1,4 +1,4 @@
-"""Where units begin: the model's main run of same-class blocks, or module names given.
+"""Where units begin: every block of the model's most frequent block class, or module names given.
 
 A node of the traced graph belongs to the unit whose first module ran last before it:
 each block's ops are its own unit, what runs before the first block is the prologue
@@ -18,21 +18,76 @@ from units.errors import TraceError
 
 
 def block_run(model: nn.Module) -> list[str]:
-    """The names of the model's main run of blocks: the children of the ``ModuleList`` or
-    ``Sequential`` of one class (at least two) holding the most parameters."""
-    best: list[str] = []
-    best_size = -1
+    """The names of the model's blocks: every block of its most frequent block class, across
+    containers (a ResNet's BasicBlocks in layer1..layer4), as ``named_modules`` lists them.
+
+    A block is a child of a ``ModuleList`` or ``Sequential`` whose children are all of one
+    class (a T5 encoder's single block counts beside its decoder's), not inside another
+    block (a mixture's experts are part of their layer), unless that block is itself a
+    plain container (blocks grouped in a Sequential of Sequentials are counted across the
+    groups). The class with the most blocks wins, ties going to the one with more
+    parameters; a class without parameters (a run of dropouts) loses to any with. Empty
+    when no class has two blocks.
+    """
+    blocks = _blocks(model)
+    kinds: dict[type, list[str]] = {}
+    for name, module in blocks.items():
+        kinds.setdefault(type(module), []).append(name)
+
+    def rank(kind: type) -> tuple[bool, int, int]:
+        size = sum(_size(blocks[name]) for name in kinds[kind])
+        return size > 0, len(kinds[kind]), size
+
+    chosen = max(kinds, key=rank, default=None)
+    if chosen is None or len(kinds[chosen]) < 2:
+        return []
+    return _outermost(kinds[chosen])
+
+
+def _blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Children of the runs of same-class modules, by name, that no block other than a
+    plain container holds."""
+    found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        if not _is_run(module) or _held_by_a_block(name, found):
             continue
-        children = list(module.named_children())
-        if len({type(child) for _, child in children}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            best_size = size
-            best = [f"{name}.{child}" if name else child for child, _ in children]
-    return best
+        for child_name, child in module.named_children():
+            found[f"{name}.{child_name}" if name else child_name] = child
+    return found
+
+
+def _is_run(module: nn.Module) -> bool:
+    children = list(module.children())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential))
+            and len({type(child) for child in children}) == 1)
+
+
+def _held_by_a_block(name: str, blocks: dict[str, nn.Module]) -> bool:
+    return any(_within(name, block) and not isinstance(module, (nn.ModuleList, nn.Sequential))
+               for block, module in blocks.items())
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """``names`` less those inside another of them."""
+    return [name for name in names
+            if not any(other != name and _within(name, other) for other in names)]
+
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def forward_order(graph: fx.Graph, starts: Sequence[str]) -> list[str]:
+    """``starts`` that the traced forward runs, in the order it first runs them (blocks of
+    a decoder defined before its encoder, run after it)."""
+    first_at: dict[str, int] = {}
+    computing = [n for n in graph.nodes if is_computing(n)]
+    for position, node in enumerate(computing):
+        for path in _module_paths(node):
+            for start in starts:
+                if _within(path, start):
+                    first_at.setdefault(start, position)
+    return sorted(first_at, key=lambda start: first_at[start])
 
 
 def _module_paths(node: fx.Node) -> list[str]:
