@@ -5,6 +5,10 @@
     pipe-balance pkg.module:factory --input-shape 256,1024 --stages 4 \
         --schedule auto --chunks auto --memory-limit 2GiB [--top 10] [--json plan.json]
 
+By time, the schedule known, the cut is the one whose simulated step is fastest
+(``partitioners.cut.step``), never slower than the min-max cut or the uniform cut it
+is printed beside.
+
 With ``--schedule auto`` or ``--chunks auto`` it plans (``partitioners.plan``):
 ``--input-shape`` is then the whole step's batch, profiled at each micro-batch
 size searched, and it prints the best candidates and the pick.
@@ -54,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="input dtype (float32, int64 or long for token ids: zeros, valid "
                              "indices, ...), or one per input with ';'")
     parser.add_argument("--stages", required=True, type=int, help="number of pipeline stages")
-    parser.add_argument("--by", choices=BY, default="time", help="what to balance (default: time)")
+    parser.add_argument("--by", choices=BY, default="time",
+                        help="what to balance (default: time: the cut whose step under "
+                             "--schedule simulates fastest, from every cut where they are few, "
+                             "else from the min-max cut, the uniform one and their neighbours)")
     parser.add_argument("--memory-limit", metavar="BYTES",
                         help="memory per stage, e.g. 8GiB, 512MB or 1e9")
     parser.add_argument("--bandwidth", metavar="BYTES",
