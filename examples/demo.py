@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +20,58 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
-from schedules import get_schedule, plot_timeline, simulate  # noqa: E402
+from schedules import Timeline, get_schedule, plot_timeline, simulate  # noqa: E402
 
 OUT = Path("out")
+DEMO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
+
+
+def schedules_figure(stages: int = 4, microbatches: int = 8,
+                     names: Sequence[str] = DEMO_SCHEDULES) -> tuple[Figure, dict[str, Timeline]]:
+    """The first picture: each schedule simulated (F=1, B=2, I=W=1 when split), a panel each.
+
+    The panels share one time axis that runs to the longest makespan, so that every
+    panel shows its schedule whole and their lengths compare by eye; a dotted line
+    marks each schedule's own makespan.
+
+    Args:
+        stages: pipeline stages.
+        microbatches: micro-batches per step.
+        names: registered schedule names, one panel each, top to bottom.
+
+    Returns:
+        The figure (not saved) and each schedule's simulated Timeline, by name.
+    """
+    timelines = {name: simulate(get_schedule(name, stages, microbatches), forward=1,
+                                backward=1, weight=1) for name in names}
+    longest = max(timeline.makespan for timeline in timelines.values())
+    figure, axes = plt.subplots(len(names), 1, figsize=(13, 2.1 * len(names)), sharex=True,
+                                squeeze=False)
+    for (name, timeline), axis in zip(timelines.items(), axes[:, 0]):
+        plot_timeline(timeline, ax=axis, title=f"{name}, makespan {timeline.makespan:g}")
+        axis.axvline(timeline.makespan, color="0.35", linestyle=":", linewidth=1.0)
+        axis.set_xlabel("")
+    # plot_timeline sets each panel's limit to its own makespan; on a shared axis the
+    # last one drawn would cut the longer schedules off.
+    axes[-1, 0].set_xlim(0, longest)
+    axes[-1, 0].set_xlabel("time (F = 1)")
+    figure.tight_layout()
+    return figure, timelines
 
 
 def compare_schedules(stages: int = 4, microbatches: int = 8) -> None:
-    names = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"]
-    figure, axes = plt.subplots(len(names), 1, figsize=(13, 2.1 * len(names)), sharex=True)
+    """Print each demo schedule's bubble, makespan and peak activations; draw them."""
+    figure, timelines = schedules_figure(stages, microbatches)
     print(f"P={stages} stages, M={microbatches} micro-batches, F=1, B=2 (I=W=1 when split)")
     print(f"{'schedule':18} {'bubble':>7} {'makespan':>9}  peak activations per stage")
-    for name, axis in zip(names, axes):
-        timeline = simulate(get_schedule(name, stages, microbatches), forward=1, backward=1,
-                            weight=1)
+    for name, timeline in timelines.items():
         peaks = " ".join(f"{p:g}" for p in timeline.peak_activations)
         print(f"{name:18} {timeline.bubble_fraction:7.1%} {timeline.makespan:9.2f}  {peaks}")
-        plot_timeline(timeline, ax=axis, title=name)
-    figure.tight_layout()
     OUT.mkdir(exist_ok=True)
     figure.savefig(OUT / "schedules.png", dpi=100)
+    plt.close(figure)
     print(f"wrote {OUT / 'schedules.png'}\n")
 
 
@@ -58,17 +91,19 @@ def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int
     for name in schedules:
         pipe = Pipe(build_model(256, 8), chunks=chunks, schedule=name, checkpoint="except_last",
                     loss_fn=nn.MSELoss(), group=dist.group.WORLD)
-        x, y = teacher_batch(256, 256, 0)
+        batch, targets = teacher_batch(256, 256, 0)
         placement = pipe.schedule.placement
-        x, y = (x if placement[0] == rank else None), (y if placement[-1] == rank else None)
+        x = batch if placement[0] == rank else None
+        y = targets if placement[-1] == rank else None
         optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
         predicted = pipe.predict(x, y, optimizer=optimizer)  # before any step
-        measured = []
+        measured: list[Timeline] = []
         for _ in range(steps + 1):
             pipe.step(x, y)
             optimizer.step()
             optimizer.zero_grad()
-            measured.append(pipe.timeline)
+            if pipe.timeline is not None:  # the whole step's, on rank 0
+                measured.append(pipe.timeline)
         pipe.close()
         if rank == 0:
             ordered = sorted(measured[1:], key=lambda timeline: timeline.makespan)

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline import Pipe
-from schedules import Timeline, simulate_measured
+from schedules import Timeline
 
 
 def build_model(width: int, depth: int) -> nn.Sequential:
@@ -55,7 +55,7 @@ def plot_side_by_side(measured: Timeline, predicted: Timeline, path: str) -> Non
 
     figure, axes = plt.subplots(2, 1, figsize=(14, 2.2 + 1.1 * measured.stages), sharex=True)
     plot_timeline(measured, ax=axes[0], title="measured")
-    plot_timeline(predicted, ax=axes[1], title="predicted from the measured per-action costs")
+    plot_timeline(predicted, ax=axes[1], title="pipe.predict (measured compute, calibrated hops)")
     axes[1].set_xlabel("seconds")
     limit = max(measured.makespan, predicted.makespan)
     for axis in axes:
@@ -89,7 +89,8 @@ def main() -> None:
     pipe = Pipe(model, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint,
                 loss_fn=nn.MSELoss(), group=dist.group.WORLD)
     optimizer = torch.optim.Adam(pipe.parameters(), lr=args.lr)
-    losses = []
+    losses: list[float] = []
+    makespans: list[float] = []  # rank 0: each step's, seconds
     progress = tqdm(range(args.steps), disable=rank != 0, desc=f"{args.schedule} x{pipe.stages}",
                     unit="step")
     for step in progress:
@@ -98,15 +99,22 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if pipe.timeline is not None:  # the whole step's, on rank 0
+            makespans.append(pipe.timeline.makespan)
         progress.set_postfix(loss=f"{loss.item():.4f}")
+    # Every rank: the step as pipe.predict sees it after these steps, each stage's compute
+    # from its measured busy time and every hop as calibrated and measured, as a user asks.
+    predicted = pipe.predict(*teacher_batch(args.batch, args.width, args.steps - 1),
+                             optimizer=optimizer)
     if rank == 0:
         measured = pipe.timeline
         assert measured is not None
-        predicted = simulate_measured(pipe.schedule, measured)
         print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps")
-        print(f"last step: measured {measured.makespan * 1e3:.1f} ms, bubble "
-              f"{measured.bubble_fraction:.1%}; predicted {predicted.makespan * 1e3:.1f} ms, "
-              f"bubble {predicted.bubble_fraction:.1%}")
+        recent = sorted(makespans[-5:])
+        print(f"step: measured {recent[len(recent) // 2] * 1e3:.1f} ms (median of the last "
+              f"{len(recent)}), predicted by pipe.predict {predicted.makespan * 1e3:.1f} ms "
+              f"(compute and communication); bubble: last step {measured.bubble_fraction:.1%}, "
+              f"predicted {predicted.bubble_fraction:.1%}")
         if args.plot:
             plot_side_by_side(measured, predicted, args.plot)
             print(f"wrote {args.plot}")
