@@ -10,21 +10,29 @@ from the same gathered plans (DCP's planner is deterministic), so nothing is sca
 
 Bytes entries (an optimizer's hyperparameters) are read with ``torch.load(...,
 weights_only=True)``; DCP's default planner would read them with ``weights_only=False``.
+DCP's reader opens each data file as a regular file of the directory, never through a
+link (``pipeline.checkpointing.manifest.open_regular``): a file swapped for a link after it
+was verified is refused too.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
+
+from pipeline.checkpointing.format import CheckpointError
+from pipeline.checkpointing.manifest import open_regular
 
 
 class RankSave:
@@ -72,6 +80,17 @@ class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
+class _RegularFiles(FileSystem):
+    """DCP's file system for reading, opening regular files only (no link, no FIFO)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "rb":
+            raise CheckpointError(f"a load only reads, got mode {mode!r} for {path}")
+        with open_regular(Path(path)) as stream:
+            yield stream
+
+
 class RankLoad:
     """This rank's load of the flat ``state`` (checkpoint keys -> placeholders) from
     ``directory``, whose index ``metadata`` came from the checked manifest."""
@@ -80,6 +99,7 @@ class RankLoad:
         self.state = state
         self.planner = _WeightsOnlyLoadPlanner()
         self.reader = FileSystemReader(directory)
+        self.reader.fs = _RegularFiles()
         self.planner.set_up_planner(state, metadata, True)
         self.reader.set_up_storage_reader(metadata, True)
         plan = self.reader.prepare_local_plan(self.planner.create_local_plan())

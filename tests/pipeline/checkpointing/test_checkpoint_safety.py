@@ -91,6 +91,16 @@ def test_a_checkpoint_a_user_added_a_file_to_is_not_replaced(tmp_path: Path) -> 
     assert _tree(tmp_path) == before
 
 
+def test_a_checkpoint_without_our_manifest_is_not_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "dcp"
+    save_model_checkpoint(_model(), None, target, 1)
+    (target / MANIFEST_FILE).unlink()  # as plain DCP or an earlier pipesched leaves one
+    before = _tree(tmp_path)
+    with pytest.raises(CheckpointError, match=r"holds a checkpoint without \.checkpoint\.json"):
+        save_model_checkpoint(_model(), None, target, 2)
+    assert _tree(tmp_path) == before
+
+
 def test_an_empty_directory_takes_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     save_model_checkpoint(_model(), None, tmp_path / "empty", 4)
