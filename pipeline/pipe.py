@@ -413,6 +413,8 @@ class Pipe(ModelLike):
             if x is not None:
                 self._traced.check_batch(x)
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
+        if self._traced is not None and inputs is not None:
+            self._traced.prepare(inputs)
         runner = self._ensure_runner(x)
         if self.loss_fn is None:
             check_labels_on_last(targets, getattr(runner, "stage", None),
@@ -494,6 +496,8 @@ class Pipe(ModelLike):
             if x is not None:
                 self._traced.check_batch(x)
         inputs = split(x, self.chunks) if x is not None else None
+        if self._traced is not None and inputs is not None:
+            self._traced.prepare(inputs)
         runner = self._ensure_runner(x)
         outputs = runner.run_forward(inputs)
         if outputs is None:

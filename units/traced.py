@@ -55,6 +55,14 @@ class TracedModel:
         assert isinstance(first, Unit)
         first.check(batch)
 
+    def prepare(self, microbatches: Sequence[Any]) -> None:
+        """Trace, before a step, the sizes of micro-batches the traces so far cannot run
+        (``units.variants``), so that every unit of this process has their variants."""
+        first = self.sequential[0]
+        assert isinstance(first, Unit)
+        for microbatch in microbatches:
+            first.prepare(microbatch, self.model.training)
+
     def check_model(self) -> None:
         """Raise ValueError now, before a step begins, if the model is no longer the one its
         graphs were traced from: an attribute, a module, an instance forward, a hook or a

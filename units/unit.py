@@ -72,10 +72,10 @@ class Unit(nn.Module):
         if variant is None:
             raise ValueError(
                 f"unit {self.index} ({self.name}) has no traced graph for values of these "
-                f"sizes ({_sizes(values)}); a micro-batch's sizes are traced where the first "
-                f"unit runs, and on ranks each rank traces only the batches it is given: pass "
-                f"the batch to pipe.step on every rank, or build the Pipe with a sample of "
-                f"such sizes"
+                f"sizes ({_sizes(values)}){self._refusal()}; a micro-batch's sizes are traced "
+                f"where the first unit runs, and on ranks each rank traces only the batches "
+                f"it is given: pass the batch to pipe.step on every rank, or build the Pipe "
+                f"with a sample of such sizes"
             )
         try:
             results = self._run(variant[0], values)
@@ -86,9 +86,9 @@ class Unit(nn.Module):
                 raise ValueError(
                     f"this batch breaks an assumption the traced graph was built on "
                     f"({str(error).splitlines()[0].strip()}; a micro-batch holds a share of "
-                    f"the batch's rows): the model's code branches on that size, and tracing "
-                    f"it for these sizes failed too; build the Pipe with a sample of such "
-                    f"sizes"
+                    f"the batch's rows): the model's code branches on that size, and no graph "
+                    f"for these sizes could be made{self._refusal()}; build the Pipe with a "
+                    f"sample of such sizes"
                 ) from None
             variant = self._pick(training, values)
             assert variant is not None
@@ -102,6 +102,15 @@ class Unit(nn.Module):
             leaves.append(value if constant else results[place])
         return pytree.tree_unflatten(leaves, spec)
 
+    def prepare(self, carried: Any, training: bool) -> None:
+        """Before a step, where the batch is given (every rank that has it): trace the sizes
+        of a micro-batch that no variant runs or whose guards it breaks (the first unit),
+        so that the units of later stages, on other ranks too, have its variant."""
+        values = self._call.flatten(carried) if self._call is not None else carried
+        variant = self._pick(training, values)
+        if variant is None or not _guards_pass(variant[0], values):
+            self._grown(carried, training)  # if it cannot, the step says why
+
     def _run(self, program: Program, values: Sequence[Any]) -> Any:
         state = [self._read(path) for path in program.state]
         return program.module(*state, *values)
@@ -112,6 +121,10 @@ class Unit(nn.Module):
             if fits(variant[0], values):
                 return variant
         return None
+
+    def _refusal(self) -> str:
+        reason = getattr(self.grow, "refusal", "")
+        return f" ({reason})" if reason else ""
 
     def _grown(self, carried: Any, training: bool) -> bool:
         """Whether a trace for this micro-batch was added (the first unit only)."""
@@ -170,6 +183,25 @@ def fits(program: Program, values: Sequence[Any]) -> bool:
             allowed = size.node.shape_env.var_to_range.get(expr)
             if allowed is not None and not bool(allowed.lower <= given <= allowed.upper):
                 return False
+    return True
+
+
+def _guards_pass(program: Program, values: Sequence[Any]) -> bool:
+    """Whether ``values`` pass the guards of the trace ``program`` was cut from (the first
+    unit's program calls them on the batch's leaves)."""
+    guards = program.module.__dict__.get("_modules", {}).get("_guards_fn")
+    call = next((node for node in program.module.graph.nodes
+                 if node.op == "call_module" and node.target == "_guards_fn"), None)
+    if guards is None or call is None:
+        return True
+    placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
+    position = {node: index - len(program.state) for index, node in enumerate(placeholders)}
+    try:
+        guards(*(values[position[arg]] for arg in call.args))
+    except (RuntimeError, AssertionError) as error:
+        if "Guard failed" in str(error):
+            return False
+        raise
     return True
 
 

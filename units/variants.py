@@ -15,11 +15,14 @@ a CPU for a small Hugging Face model), once per new combination of traced sizes.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from units.boundaries import assign_units
 from units.errors import TraceError
@@ -54,20 +57,25 @@ class Retracer:
         self.modes = modes
         self.rewrite = rewrite
         self.added = {True: 0, False: 0}
+        self.refusal = ""  # why the last trace asked for could not be made
         self._lock = threading.Lock()
 
     def __call__(self, sample: Any, training: bool) -> bool:
         with self._lock:
             if self.added[training] >= MAX_VARIANTS:
+                self.refusal = f"{MAX_VARIANTS} traces of other sizes are kept, no more"
                 return False
             try:
-                graph_module, _ = export_model(self.model, sample, self.modes[training])
+                graph_module = self._trace(sample, training)
                 programs, returned = cut_units(graph_module, self.starts, self.default)
-            except TraceError:
+            except TraceError as error:
+                self.refusal = f"tracing it failed: {error}"
                 return False
             if len(programs) != len(self.units) or not all(
                     _readable(unit, program, graph_module)
                     for unit, program in zip(self.units, programs)):
+                self.refusal = (f"its trace cuts into {len(programs)} units that read other "
+                                f"tensors than the first trace's {len(self.units)}")
                 return False
             outputs: Any = (returned, graph_module._out_spec)
             for unit, program in zip(self.units, programs):
@@ -76,6 +84,46 @@ class Retracer:
                 unit.add_variant(training, program, outputs if unit is self.units[-1] else None)
             self.added[training] += 1
             return True
+
+
+    def _trace(self, sample: Any, training: bool) -> fx.GraphModule:
+        """The model traced on ``sample``; where the runtime freed some of its tensors to
+        ``meta`` (other ranks' stages), a copy of it all on ``meta`` is traced, and the
+        graph's ``meta`` devices become the batch's."""
+        if not any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+            return export_model(self.model, sample, self.modes[training])[0]
+        leaves = [leaf for leaf in pytree.tree_leaves(sample) if isinstance(leaf, torch.Tensor)]
+        device = leaves[0].device if leaves else torch.device("cpu")
+        on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
+        graph_module = export_model(_on_meta(self.model), on_meta, self.modes[training])[0]
+        return _moved(graph_module, device)
+
+
+def _on_meta(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose every tensor is an empty one on ``meta``, of its kind."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                            if isinstance(tensor, nn.Parameter) else empty)
+    return copy.deepcopy(model, memo)
+
+
+def _moved(graph_module: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """``graph_module`` (traced on ``meta``) with every ``meta`` device it names, in factory
+    calls and metadata checks, as ``device``."""
+    meta = torch.device("meta")
+
+    def swap(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    modules = [graph_module, *(m for m in graph_module.modules() if isinstance(m, fx.GraphModule))]
+    for module in dict.fromkeys(modules):
+        for node in module.graph.nodes:
+            node.args = pytree.tree_map(swap, node.args)
+            node.kwargs = pytree.tree_map(swap, node.kwargs)
+        module.recompile()
+    return graph_module
 
 
 def _readable(unit: Unit, program: Program, graph_module: fx.GraphModule) -> bool:
@@ -87,6 +135,10 @@ def _readable(unit: Unit, program: Program, graph_module: fx.GraphModule) -> boo
         except AttributeError:
             held = None
         lifted = getattr(graph_module, path, None) if "." not in path else None
+        if lifted is not None and lifted.is_meta:  # traced on meta: only a held one is real
+            lifted = None if held is not None else lifted
+            if lifted is not None:
+                return False
         if held is None and lifted is not None:
             unit.register_buffer(path, lifted, persistent=False)
             unit.lifted.add(path)

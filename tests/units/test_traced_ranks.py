@@ -11,7 +11,8 @@ import pytest
 
 from pipeline.group.launch import run_ranks
 from traced_models import build
-from traced_workers import exact_on_ranks, lengths_on_ranks, save_on_ranks, state_on_ranks
+from traced_workers import (exact_on_ranks, lengths_on_ranks, one_token_on_ranks, save_on_ranks,
+                            state_on_ranks)
 
 TOLERANCE = 1e-10
 KINDS = ["llama", "gpt2", "looped"]
@@ -22,7 +23,8 @@ MODES = ["never", "always"]
 def _in_turn(rank: int, world: int, directory: str) -> list[Any]:
     return [exact_on_ranks(rank, world, KINDS, SCHEDULES, MODES), state_on_ranks(rank, world),
             exact_on_ranks(rank, world, ["llama"], ["zb-v"], ["always"], "ordered"),
-            lengths_on_ranks(rank, world, [12, 7, 20]), save_on_ranks(rank, world, directory)]
+            lengths_on_ranks(rank, world, [12, 7, 20]), save_on_ranks(rank, world, directory),
+            one_token_on_ranks(rank, world)]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,13 @@ def test_the_transport_under_nccls_rules(two_ranks: list[list[Any]]) -> None:
     for rank, found in enumerate(two_ranks):
         (kind, schedule, mode, loss_error, grad_error, compared), = found[2]
         assert loss_error < TOLERANCE and grad_error < TOLERANCE and compared > 0, rank
+
+
+def test_a_one_token_sequence_is_traced_again_on_every_rank(two_ranks: list[list[Any]]
+                                                            ) -> None:
+    for rank, found in enumerate(two_ranks):
+        loss_error, grad_error = found[5]
+        assert loss_error < TOLERANCE and grad_error < TOLERANCE, rank
 
 
 def test_sequence_length_changes_between_steps_on_ranks(two_ranks: list[list[Any]]) -> None:

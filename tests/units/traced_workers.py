@@ -141,3 +141,30 @@ def save_on_ranks(rank: int, world: int, directory: str) -> list[str]:
             optimizer.zero_grad()
         save_checkpoint(pipe, optimizer, directory, step=2)
         return sorted(pipe.state_dict())
+
+
+def one_token_on_ranks(rank: int, world: int) -> tuple[float, float]:
+    """A Llama traced on 12 tokens steps on a one-token sequence (its code branches on that
+    size: traced again, on every rank that is given the batch): (loss error, worst gradient
+    error of what this rank holds) against the plain model."""
+    from traced_models import tokens
+
+    torch.set_num_threads(1)
+    base, batch, _ = build("llama")
+    model = copy.deepcopy(base)
+
+    def squares(output: Any, target: Any) -> torch.Tensor:
+        return (output.logits ** 2).mean()
+
+    one, _ = tokens(length=1, seed=5, pad=0)
+    plain = copy.deepcopy(base)
+    expected = squares(plain(**one), None)
+    expected.backward()
+    grads = dict(plain.named_parameters())
+    with Pipe(model, chunks=2, schedule="1f1b", sample=batch, group=dist.group.WORLD,
+              loss_fn=squares) as pipe:
+        local = {id(p) for p in pipe.parameters()}
+        loss = pipe.step(one, one["input_ids"])
+    worst = max((p.grad - grads[name].grad).abs().max().item()
+                for name, p in model.named_parameters() if id(p) in local and not p.is_meta)
+    return abs(loss.item() - expected.item()), worst
