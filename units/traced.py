@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from units.boundaries import block_run
+from units.boundaries import block_run, forward_order
 from units.errors import TraceError
 from units.programs import Program
 from units.signature import ModelState, mode_differences, modes
@@ -180,8 +180,11 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
     mixes = _traced_modes(model)
     for training in (True, False):
         graph_module, call = export_model(model, sample, mixes[training])
+        if units is None and training:  # the order the forward runs them, not their names'
+            starts = forward_order(graph_module.graph, starts) or starts
         traced[training] = graph_module
-        cut[training] = cut_units(graph_module, starts, units is None)
+        programs, returned, names = cut_units(graph_module, starts, units is None)
+        cut[training] = (programs, returned)
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != call.leaves:
             raise TraceError(f"the traced graph takes {len(placeholders)} inputs, the sample "
@@ -190,7 +193,7 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
     if len(counts) != 1:
         raise TraceError("the training and evaluation forwards cut into different numbers of "
                          "units: pass units=[...]")
-    sequential = _assemble(model, traced, cut, call, starts, units is None, mixes)
+    sequential = _assemble(model, traced, cut, call, names, mixes)
     units_cut = [unit for unit in sequential.sequential if isinstance(unit, Unit)]
     units_cut[0].grow = Retracer(model, units_cut, starts, units is None, mixes, rewrite)
     for unit in units_cut if rewrite is not None else []:
@@ -209,8 +212,7 @@ def _traced_modes(model: nn.Module) -> dict[bool, tuple[bool, ...]]:
 
 def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
               cut: dict[bool, tuple[list[Program], list[Any]]], call: Any,
-              starts: list[str], default: bool, mixes: dict[bool, tuple[bool, ...]]
-              ) -> TracedModel:
+              names: list[str], mixes: dict[bool, tuple[bool, ...]]) -> TracedModel:
     programs = {mode: cut[mode][0] for mode in cut}
     count = len(programs[True])
     mode = _RootMode(model)
@@ -220,23 +222,11 @@ def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
     units = []
     for index in range(count):
         per_mode = {m: programs[m][index] for m in programs}
-        name = _unit_name(index, count, starts, default)
-        units.append(Unit(index, name, per_mode, mode, call if index == 0 else None,
+        units.append(Unit(index, names[index], per_mode, mode, call if index == 0 else None,
                           outputs if index == count - 1 else None))
         sequential.append(units[-1])
     infos = _hold_state(model, units, programs, traced)
     return TracedModel(model, sequential, infos, mixes)
-
-
-def _unit_name(index: int, count: int, starts: list[str], default: bool) -> str:
-    if not default:
-        return "(prologue)" if index == 0 and count > len(starts) else starts[
-            index - (count - len(starts))]
-    if index == 0:
-        return "(prologue)"
-    if index == count - 1:
-        return "(epilogue)"
-    return starts[index - 1]
 
 
 class _RootMode:

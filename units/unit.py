@@ -70,13 +70,7 @@ class Unit(nn.Module):
         if variant is None and self._grown(carried, training):
             variant = self._pick(training, values)
         if variant is None:
-            raise ValueError(
-                f"unit {self.index} ({self.name}) has no traced graph for values of these "
-                f"sizes ({_sizes(values)}){self._refusal()}; a micro-batch's sizes are traced "
-                f"where the first unit runs, and on ranks each rank traces only the batches "
-                f"it is given: pass the batch to pipe.step on every rank, or build the Pipe "
-                f"with a sample of such sizes"
-            )
+            raise ValueError(self._no_variant(values))
         try:
             results = self._run(variant[0], values)
         except (RuntimeError, AssertionError) as error:
@@ -121,6 +115,17 @@ class Unit(nn.Module):
             if fits(variant[0], values):
                 return variant
         return None
+
+    def _no_variant(self, values: Sequence[Any]) -> str:
+        if self._call is not None:
+            return (f"this batch's sizes ({_sizes(values)}) are outside those the traced graph "
+                    f"was built for (the model's code branches on a size), and no graph for "
+                    f"them could be made{self._refusal()}; build the Pipe with a sample of "
+                    f"such sizes")
+        return (f"unit {self.index} ({self.name}) has no traced graph for values of these "
+                f"sizes ({_sizes(values)}): a micro-batch's sizes are traced before the step "
+                f"on each rank that is given the batch; pass the batch to pipe.step on every "
+                f"rank, or build the Pipe with a sample of such sizes")
 
     def _refusal(self) -> str:
         reason = getattr(self.grow, "refusal", "")

@@ -34,13 +34,16 @@ MAX_VARIANTS = 4
 
 
 def cut_units(graph_module: fx.GraphModule, starts: Sequence[str], default: bool
-              ) -> tuple[list[Program], list[Any]]:
-    """A traced graph cut where units begin: per unit its program, and the output's leaves."""
+              ) -> tuple[list[Program], list[Any], list[str]]:
+    """A traced graph cut where units begin: per unit its program, the output's leaves, and
+    per unit its name (a prologue or epilogue that runs nothing is no unit)."""
     unit_of = assign_units(graph_module.graph, list(starts), epilogue=default)
     used = sorted(set(unit_of.values()))
     renumber = {old: new for new, old in enumerate(used)}
     unit_of = {node: renumber[unit] for node, unit in unit_of.items()}
-    return cut_programs(graph_module, unit_of, len(used))
+    named = ["(prologue)", *starts, *(["(epilogue)"] if default else [])]
+    programs, returned = cut_programs(graph_module, unit_of, len(used))
+    return programs, returned, [named[old] for old in used]
 
 
 class Retracer:
@@ -67,7 +70,7 @@ class Retracer:
                 return False
             try:
                 graph_module = self._trace(sample, training)
-                programs, returned = cut_units(graph_module, self.starts, self.default)
+                programs, returned, _ = cut_units(graph_module, self.starts, self.default)
             except TraceError as error:
                 self.refusal = f"tracing it failed: {error}"
                 return False

@@ -200,3 +200,33 @@ def test_a_block_alone_in_its_container_is_a_block_of_its_class() -> None:
     lonely = nn.Module()
     lonely.blocks = nn.ModuleList([Expert()])
     assert block_run(lonely) == []
+
+
+class DecoderFirst(nn.Module):
+    """Its decoder is defined before its encoder and run after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.decoder = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.encoder = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.encoder, *self.decoder]:
+            x = block(x)
+        return x
+
+
+def test_the_default_units_run_in_the_forwards_order() -> None:
+    model = DecoderFirst()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    y = torch.randn(4, 6, dtype=torch.float64)
+    F.mse_loss(plain(x), y).backward()
+    with Pipe(model, chunks=2, sample=x, devices=["cpu", "cpu"], loss_fn=F.mse_loss) as pipe:
+        assert [info.name for info in pipe.units] == [
+            "encoder.0", "encoder.1", "decoder.0", "decoder.1"]
+        pipe.step(x, y)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < TOLERANCE

@@ -149,18 +149,6 @@ def test_a_non_tensor_argument_is_frozen_and_checked() -> None:
             pipe({"x": x, "double": False})
 
 
-def test_sizes_the_model_guards_are_named() -> None:
-    from traced_models import llama, tokens
-
-    # llama() and tokens() as test_traced_exact has them: one trace serves both files
-    batch, target = tokens()
-    with Pipe(llama(), chunks=2, sample=batch, devices=["cpu", "cpu"],
-              **loss_options("llama")) as pipe:
-        one_token, labels = tokens(length=1, pad=0)
-        with pytest.raises(StageError, match=r"Guard failed: input_ids.size\(\)\[1\] != 1"):
-            pipe.step(one_token, labels)
-
-
 class NormBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
