@@ -43,6 +43,7 @@ MEASURED = frozenset({
     "test_traced_exact.py::test_the_default_cut_is_prologue_blocks_epilogue",  # 4-10 s
     "test_traced_exact.py::test_dropout_gives_one_result_across_schedules_cuts_and_modes",
     "test_trace_sizes.py::test_one_row_micro_batches_of_a_mixture_of_experts_run_exactly",
+    "test_default_cut.py::test_a_resnet_is_cut_at_every_basic_block_and_is_exact",  # 20-33 s
     "test_traced_planning.py::test_time_balance_measured_memory_and_predict",  # 4 s
     "test_traced_checkpoints.py::test_a_pipeline_checkpoint_loads_into_the_plain_model_and_back",
     "test_traced_errors.py::test_a_none_argument_is_a_constant_of_the_graph",  # 7 s
