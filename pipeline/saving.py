@@ -41,22 +41,36 @@ def save_state_dict(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
     A crash mid-write leaves the previous checkpoint (or nothing), never half a file.
     A process killed mid-write cannot remove its temporary file, so each save first
     removes the ones that writers no longer alive left beside ``path``.
+
+    Raises:
+        CheckpointError: ``path`` names a directory (``"."`` included) or a place that
+            cannot be written (the system's reason); nothing is left behind.
     """
+    from pipeline.checkpointing.format import CheckpointError
+
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(target)
-    handle, temporary = tempfile.mkstemp(
-        dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp"
-    )
+    if target.name in ("", ".", "..") or target.is_dir():
+        raise CheckpointError(
+            f"save_state_dict writes one file; {str(path)!r} is a directory: name a file in "
+            f"it, e.g. {str(Path(path) / 'model.pt')!r}"
+        )
+    temporary = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(target)
+        handle, temporary = tempfile.mkstemp(
+            dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp"
+        )
         with os.fdopen(handle, "wb") as stream:
             torch.save(state, stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    except OSError as error:
+        raise CheckpointError(f"cannot write {str(path)!r}: {error.strerror or error}") from error
+    finally:
+        if temporary is not None and Path(temporary).exists():
+            Path(temporary).unlink(missing_ok=True)
     return target
 
 

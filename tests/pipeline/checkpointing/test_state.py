@@ -43,3 +43,23 @@ def test_a_writer_killed_midway_leaves_no_temporary_file(tmp_path: Path) -> None
     save_state_dict({"weight": torch.full((2,), 3.0)}, target)
     assert sorted(p.name for p in tmp_path.glob(".model.pt.*.tmp")) == [live.name]
     assert torch.equal(torch.load(target)["weight"], torch.full((2,), 3.0))
+
+
+def test_a_directory_or_an_unwritable_place_is_a_checkpoint_error(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    import pytest
+
+    from pipeline import CheckpointError
+
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    for place, message in [(tmp_path / "runs", r"is a directory: name a file in it"),
+                           (".", r"'\.' is a directory"),
+                           ("/proc/self/pipesched.pt", r"cannot write '/proc/self/pipesched\.pt': ")]:
+        with pytest.raises(CheckpointError, match=message):
+            save_state_dict({"weight": torch.ones(2)}, place)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "runs"]
+    save_state_dict({"weight": torch.ones(2)}, "runs/model.pt")  # a file in it: written
+    assert (tmp_path / "runs" / "notes.txt").read_text() == "mine"
+    assert torch.equal(torch.load(tmp_path / "runs" / "model.pt")["weight"], torch.ones(2))
