@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import time
 from collections import Counter
@@ -15,7 +16,12 @@ import torch.distributed as dist
 
 from schedules import Schedule
 
+from units.calls import describe
+
 from pipeline.group.collectives import barrier, gather_objects
+
+_SHOWN = 2000  # characters of a sample's structure, to name it
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def rank_device(group: dist.ProcessGroup) -> torch.device:
@@ -25,23 +31,48 @@ def rank_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def check_agreement(group: dist.ProcessGroup, timeout: float, **settings: Any) -> None:
-    """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings.
+def check_agreement(group: dist.ProcessGroup, timeout: float, traced_sample: Any = None,
+                    **settings: Any) -> None:
+    """Raise ValueError on every rank unless all ranks of ``group`` passed the same settings
+    and, for a model traced on every rank, samples of one structure (``units.calls.describe``).
 
-    One small all-gather; the message names each rank that differs from the majority.
+    One small all-gather, the sample in it as a digest of its structure; the message names
+    each rank that differs from the majority. Only when the digests differ do the ranks
+    send their samples' structures (bounded text, never pickled), to name each rank's.
     """
     mine = {name: repr(value) for name, value in settings.items()}
-    gathered = gather_objects(mine, group, timeout, "checking that the ranks agree",
-                              rank_device(group))
+    described = _ADDRESS.sub("", describe(traced_sample))  # a default repr's address differs
+    digest = hashlib.sha256(described.encode()).hexdigest()[:32]
+    device = rank_device(group)
+    gathered = gather_objects((mine, digest), group, timeout, "checking that the ranks agree",
+                              device)
     problems = []
     for name in settings:
-        values = [g[name] for g in gathered]
+        values = [g[0][name] for g in gathered]
         common, _ = Counter(values).most_common(1)[0]
         for rank, value in enumerate(values):
             if value != common:
                 problems.append(f"rank {rank} has {name}={value} but the others have {common}")
+    if len({g[1] for g in gathered}) > 1:  # every rank sees it: every rank gathers again
+        if len(described) > _SHOWN:
+            described = described[:_SHOWN] + "..."
+        shown = gather_objects(described, group, timeout, "naming the samples the ranks trace",
+                               device)
+        problems.append(_samples_differ(shown))
     if problems:
         raise ValueError("pipeline ranks disagree: " + "; ".join(problems))
+
+
+def _samples_differ(shown: list[Any]) -> str:
+    """Each structure once, after the ranks that passed it."""
+    ranks: dict[str, list[str]] = {}
+    for rank, text in enumerate(shown):
+        text = text[: _SHOWN + 3] if isinstance(text, str) else "?"
+        ranks.setdefault(text, []).append(str(rank))
+    seen = ", ".join(f"rank{'s' if len(who) > 1 else ''} {', '.join(who)} {text}"
+                     for text, who in ranks.items())
+    return (f"the ranks were given different samples to trace: {seen}: pass every rank the "
+            f"same sample (its sizes decide the trace)")
 
 
 def clock_offset(group: dist.ProcessGroup, timeout: float, device: torch.device) -> float:
@@ -97,7 +128,7 @@ def make_groups(pipeline_size: int, data_parallel_size: int
 
 def check_ranks_agree(group: dist.ProcessGroup, timeout: float, **arguments: Any) -> None:
     """Raise on every rank unless every rank passed the same ``arguments`` (a Schedule is
-    compared by its digest)."""
+    compared by its digest, ``traced_sample`` by its structure's)."""
     schedule = arguments.get("schedule")
     if isinstance(schedule, Schedule):
         arguments["schedule"] = schedule_digest(schedule)
