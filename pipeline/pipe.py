@@ -148,10 +148,11 @@ class Pipe(ModelLike):
         self._processes = processes(settings, timeout)  # one process or a group: decided here
         self._ranks: Ranks = self._processes.ranks
         # First, before anything that could raise on some ranks only.
+        inputs, target = split_sample(sample)
         self._ranks.check_agree(chunks=chunks, schedule=schedule, balance=balance,
                                 checkpoint=checkpoint, stages=stages,
-                                schedule_options=schedule_options)
-        inputs, target = split_sample(sample)
+                                schedule_options=schedule_options,
+                                traced_sample=None if isinstance(model, nn.Sequential) else inputs)
         self.source_model = check_model(model)
         self.model, self._traced = sequential_of(self.source_model, inputs, units)
         self.timeout, self._closed, self._distributed = timeout, False, settings
