@@ -17,6 +17,9 @@ Values are kept, not their ``id()``: a reference held here keeps its object aliv
 address is never reused for something else. Mutable values (lists, dicts, configs) are
 copied as they were.
 
+A private attribute (``_name``) added since is not a difference: the trace cannot have read
+it, and libraries keep their bookkeeping there (FSDP's ``_is_fsdp_managed_module``).
+
 What it cannot see: globals and closures the forward reads (a trace freezes them too), and
 objects more than ``_DEPTH`` attributes away from a module.
 """
@@ -181,6 +184,8 @@ def _entry_differences(old: _ModuleEntry, new: _ModuleEntry, same_object: bool) 
     if old.attributes != new.attributes:
         before, after = dict(old.attributes), dict(new.attributes)
         for key in dict.fromkeys([*before, *after]):
+            if key not in before and key.startswith("_"):
+                continue  # bookkeeping added since (FSDP's flags): the trace never read it
             if before.get(key, _MISSING) != after.get(key, _MISSING):
                 found.append(f"{where}.{key} is {_shown(after.get(key, _MISSING))} "
                              f"(traced: {_shown(before.get(key, _MISSING))})")

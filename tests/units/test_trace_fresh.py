@@ -239,3 +239,14 @@ def test_evaluation_and_a_mode_changed_since_the_trace() -> None:
         for norm in norms:
             norm.eval()
         pipe.step(x, y)  # as traced again
+
+
+def test_private_bookkeeping_added_since_is_not_a_change() -> None:
+    model = Tunable()
+    x, y = _batch()
+    with _pipe(model, x) as pipe:
+        model.blocks[0].mix._is_fsdp_managed_module = True  # as fully_shard marks modules
+        pipe.step(x, y)
+        model.blocks[0].mix.public_flag = True
+        with pytest.raises(ValueError, match=r"blocks.0.mix.public_flag is True \(traced: unset\)"):
+            pipe.step(x, y)

@@ -102,7 +102,7 @@ def test_a_model_as_written_is_traced_into_units(
     assert names == ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2",
                      "(epilogue)"]
     table = out.split("\n\n")[1]  # the stage table; the cut itself depends on the timings
-    assert "Unit" not in table and "(prologue)" in table and "model.layers.2" in table
+    assert "Unit" not in table and "(prologue)" in table and "model.layers.2" in table, out
 
 
 def test_a_run_with_memory_limit_and_bandwidth(
