@@ -4,6 +4,7 @@ where the process is what is tested (the console script, ``-m``, exit statuses),
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def test_a_model_as_written_is_traced_into_units(
     assert names == ["(prologue)", "model.layers.0", "model.layers.1", "model.layers.2",
                      "(epilogue)"]
     table = out.split("\n\n")[1]  # the stage table; the cut itself depends on the timings
-    assert "Unit" not in table and "(prologue)" in table and "model.layers.2" in table, out
+    assert "Unit" not in table and "(prologue)" in table, out
+    assert re.search(r"model\.layers\.(\d-)?2\b", table), out  # "model.layers.1-2" by the cut
 
 
 def test_a_run_with_memory_limit_and_bandwidth(
