@@ -307,11 +307,7 @@ def _measure(
 def layer_name(layer: nn.Module) -> str:
     """What a table calls the layer: a traced unit's name (``"model.layers.3"``,
     ``"(prologue)"``), else its type's (``"Linear"``)."""
-    kind = type(layer)
-    # by the class's name too: a test that imports units afresh makes a second Unit class
-    is_unit = isinstance(layer, Unit) or (kind.__module__, kind.__qualname__) == (
-        Unit.__module__, Unit.__qualname__)
-    return str(getattr(layer, "name")) if is_unit else kind.__name__
+    return layer.name if isinstance(layer, Unit) else type(layer).__name__
 
 
 def _charge(layer: nn.Module, index: int, charged: dict[int, int]
