@@ -13,7 +13,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queue_module
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -54,7 +56,7 @@ def end_processes(processes: Sequence[Any], grace: float) -> None:
             process.join()
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: Any,
+def _entry(fn: Callable[..., Any], rank: int, world: int, rendezvous: str, results: Any,
            args: tuple[Any, ...], threads: int, pin: bool, environment: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environment)
@@ -67,9 +69,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
         # Threads started from here on (gloo's) inherit this rank's core.
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException as error:  # reported to the parent
         results.put((rank, "error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
@@ -106,11 +106,15 @@ def run_ranks_raw(
     """
     context = _context()
     results = context.Queue()
-    port = free_port()
+    # A file, not a TCP port picked beforehand: a port free a moment ago may be taken (by
+    # another launch, or as a connection's own port) before rank 0 listens on it.
+    folder = tempfile.mkdtemp(prefix="pipesched-ranks-")
+    rendezvous = f"file://{os.path.join(folder, 'store')}"
     environment = dict(os.environ)
     processes = [
         context.Process(target=_entry, daemon=True,
-                        args=(fn, rank, world, port, results, args, threads, pin, environment))
+                        args=(fn, rank, world, rendezvous, results, args, threads, pin,
+                              environment))
         for rank in range(world)
     ]
     for process in processes:
@@ -133,6 +137,7 @@ def run_ranks_raw(
                     break  # the ones left died without a word
     finally:
         end_processes(processes, grace=5.0)
+        shutil.rmtree(folder, ignore_errors=True)
     for rank in range(world):
         answers.setdefault(rank, ("error", "no result (timed out or crashed)"))
     return answers
