@@ -98,7 +98,7 @@ class _ModuleEntry:
     name: str
     module: _Same
     kind: type
-    tensors: tuple[tuple[str, bool], ...]     # parameter and buffer names, and whether set
+    tensors: tuple[tuple[str, Any], ...]      # parameter and buffer names, and dtypes (or None)
     attributes: tuple[tuple[str, Any], ...]   # every other attribute, frozen
     forward: Any                              # an instance forward (frozen), or None
     hooks: tuple[tuple[str, tuple[Any, ...]], ...]
@@ -211,8 +211,8 @@ class _Freezer:
 
     def module(self, name: str, module: nn.Module) -> _ModuleEntry:
         state = vars(module)
-        tensors = tuple((key, value is not None) for table in (module._parameters,
-                                                               module._buffers)
+        tensors = tuple((key, None if value is None else value.dtype)
+                        for table in (module._parameters, module._buffers)
                         for key, value in table.items())
         attributes = tuple((key, self.value(value)) for key, value in state.items()
                            if key not in _MODULE_INTERNALS)
@@ -278,8 +278,9 @@ def _mode_name(training: bool) -> str:
     return "training" if training else "evaluation"
 
 
-def _names(tensors: tuple[tuple[str, bool], ...]) -> list[str]:
-    return [name for name, present in tensors if present]
+def _names(tensors: tuple[tuple[str, Any], ...]) -> list[str]:
+    return [f"{name}:{str(dtype).removeprefix('torch.')}" for name, dtype in tensors
+            if dtype is not None]
 
 
 def _shown(frozen: Any) -> str:
