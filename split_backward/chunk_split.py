@@ -82,6 +82,7 @@ class ChunkSplit:
         self.records = Records()  # what the deferred calls recorded in the running backward
         self._layers = layers
         self._installed = False
+        self._before: frozenset[int] = frozenset()  # layers switched before install (kept)
         self._microbatch = 0
         # micro-batch -> ids of the parameters its forward deferred (a key only where the
         # forward ran with the layers switched on)
@@ -101,7 +102,15 @@ class ChunkSplit:
         self._installed = True
         if _sharded(self._layers):
             return  # FSDP's hooks expect weight gradients in the backward: the graph split
+        self._before = frozenset(id(m) for m in self._layers.modules() if switched(m))
         switch_on(self._layers)
+
+    def uninstall(self) -> None:
+        """Take the switched forwards off the layers this split switched on (those switched
+        before it stay): the user's modules are as they were."""
+        if self._installed:
+            switch_off(self._layers, keep=self._before)
+            self._installed = False
 
     def begin_step(self) -> None:
         """Forget what the previous step's forwards deferred."""

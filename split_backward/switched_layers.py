@@ -191,15 +191,15 @@ def _switch_for(name: str, module: nn.Module) -> _Switch | None:
 def switch_on(layers: nn.Module) -> int:
     """Give every Linear, MultiheadAttention and convolution of ``layers`` that can defer its
     switched forward (once); returns how many layers are switched."""
-    switched = 0
+    count = 0
     for name, module in layers.named_modules():
         forward = _switch_for(name, module)
-        if forward is None:
-            continue
+        if forward is None or ("forward" in module.__dict__ and not switched(module)):
+            continue  # a forward of the user's own runs as it is (the graph split defers)
         if not isinstance(module.__dict__.get("forward"), forward):
             module.forward = forward(module)
-        switched += 1
-    return switched
+        count += 1
+    return count
 
 
 def switch_off(layers: nn.Module, keep: frozenset[int] = frozenset()) -> None:

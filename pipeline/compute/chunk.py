@@ -152,6 +152,10 @@ class ChunkRunner:
         if self.deferred is not None:
             self.deferred.begin_step()
 
+    def close(self) -> None:
+        """Undo what running this chunk did to its layers (their switched forwards)."""
+        self._split.uninstall()
+
     def end_step(self) -> None:
         """Commit deferred BatchNorm statistics (after a successful step)."""
         if self.deferred is not None:

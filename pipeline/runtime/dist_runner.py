@@ -353,6 +353,7 @@ class DistRunner:
         (a dropped Pipe's finalizer)."""
         self._broken = self._broken or "released"
         self.transport.close()
+        self._close_chunks()
 
     def close(self) -> None:
         """Let every rank arrive, then release the transport's communicators and buffers."""
@@ -362,6 +363,11 @@ class DistRunner:
             except PeerError:
                 pass
         self.transport.close()
+        self._close_chunks()
+
+    def _close_chunks(self) -> None:
+        for chunk in self.chunks.values():
+            chunk.close()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over every rank's part of the gradients (``grad_norm``)."""

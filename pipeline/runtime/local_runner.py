@@ -231,6 +231,8 @@ class LocalRunner:
         for stream in self.streams:
             if stream is not None:
                 stream.synchronize()
+        for chunk in self.chunks.values():
+            chunk.close()
 
 
 def _chunk_params(model: nn.Sequential, balance: Sequence[int], chunk: int) -> list[torch.Tensor]:
