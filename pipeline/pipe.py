@@ -512,7 +512,8 @@ class Pipe(ModelLike):
     # -- lifetime -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release what this Pipe holds: communicators, buffers, in-flight messages.
+        """Release what this Pipe holds: communicators, buffers, in-flight messages; and
+        take the forwards a split backward switched on off the model's layers.
 
         With a group, every rank calls it (it waits for all ranks, up to ``timeout``);
         then ``torch.distributed.destroy_process_group()`` is safe. It completes the
