@@ -193,13 +193,20 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
     if len(counts) != 1:
         raise TraceError("the training and evaluation forwards cut into different numbers of "
                          "units: pass units=[...]")
-    sequential = _assemble(model, traced, cut, call, names, mixes)
-    units_cut = [unit for unit in sequential.sequential if isinstance(unit, Unit)]
-    units_cut[0].grow = Retracer(model, units_cut, starts, units is None, mixes, rewrite)
-    for unit in units_cut if rewrite is not None else []:
+    assembled = _assemble(model, traced, cut, call, names, mixes)
+    _ready(assembled, starts, units is None, mixes, rewrite)
+    return assembled
+
+
+def _ready(traced: TracedModel, starts: list[str], default: bool,
+           mixes: dict[bool, tuple[bool, ...]],
+           rewrite: Callable[[fx.GraphModule], Any] | None) -> None:
+    """The first unit traces the sizes no variant runs; every program gets ``rewrite``."""
+    units = [unit for unit in traced.sequential if isinstance(unit, Unit)]
+    units[0].grow = Retracer(traced.model, units, starts, default, mixes, rewrite)
+    for unit in units if rewrite is not None else []:
         for graph in unit.graphs:
             rewrite(graph)  # type: ignore[misc]
-    return sequential
 
 
 def _traced_modes(model: nn.Module) -> dict[bool, tuple[bool, ...]]:

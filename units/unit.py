@@ -45,7 +45,6 @@ class Unit(nn.Module):
             for training, program in programs.items()}
         self._mode = mode
         self._call = call            # the first unit: how the batch is flattened
-        self._last = outputs is not None  # the last unit: rebuilds the model's output
         self.lifted: set[str] = set()  # buffers of constants the trace lifted out of the code
         # The first unit's way to a trace for a micro-batch that no variant runs (or None).
         self.grow: Callable[[Any, bool], bool] | None = None
@@ -195,19 +194,30 @@ def _guards_pass(program: Program, values: Sequence[Any]) -> bool:
     """Whether ``values`` pass the guards of the trace ``program`` was cut from (the first
     unit's program calls them on the batch's leaves)."""
     guards = program.module.__dict__.get("_modules", {}).get("_guards_fn")
-    call = next((node for node in program.module.graph.nodes
-                 if node.op == "call_module" and node.target == "_guards_fn"), None)
-    if guards is None or call is None:
+    positions = _guard_positions(program)
+    if guards is None or positions is None:
         return True
-    placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
-    position = {node: index - len(program.state) for index, node in enumerate(placeholders)}
     try:
-        guards(*(values[position[arg]] for arg in call.args))
+        guards(*(values[position] for position in positions))
     except (RuntimeError, AssertionError) as error:
         if "Guard failed" in str(error):
             return False
         raise
     return True
+
+
+def _guard_positions(program: Program) -> list[int] | None:
+    """Which of the program's input values its guards take, in order (None: no guards);
+    kept on the program."""
+    if "_guard_positions" not in program.module.__dict__:
+        call = next((node for node in program.module.graph.nodes
+                     if node.op == "call_module" and node.target == "_guards_fn"), None)
+        placeholders = [n for n in program.module.graph.nodes if n.op == "placeholder"]
+        position = {node: index - len(program.state) for index, node in enumerate(placeholders)}
+        program.module.__dict__["_guard_positions"] = None if call is None else [
+            position[arg] for arg in call.args]
+    found: list[int] | None = program.module.__dict__["_guard_positions"]
+    return found
 
 
 def _entry_values(program: Program) -> list[Any]:

@@ -192,26 +192,17 @@ def test_the_config_is_seen() -> None:
             pipe.step(batch, labels)
 
 
-class Normed(nn.Module):
+class Normed(Tunable):
     """Blocks with BatchNorm, as fine-tuning freezes them."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.stem = nn.Linear(8, 8)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()) for _ in range(3))
-        self.head = nn.Linear(8, 3)
         for block in self.blocks:  # running statistics of a pretrained model
             block[1].running_mean.uniform_(-1, 1)
             block[1].running_var.uniform_(0.5, 2)
         self.double()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def _frozen_norms(model: nn.Module) -> list[nn.Module]:
