@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from examples.gpt import IGNORE_INDEX, gpt, lm_loss  # noqa: E402
-from pipeline.group.launch import PRELOAD  # noqa: E402
+from pipeline.launching import PRELOAD  # noqa: E402
 
 
 MODES = ("always", "except_last", "never")

@@ -155,7 +155,7 @@ def mesh_part(report: Report, backend: str) -> None:
 def run_shape(report: Report, backend: str, shape: tuple[int, int, int], labels: list[str],
               timeout: float, watchdog: float, startup: float) -> None:
     """One spawn of ``shape``'s ranks, judged combination by combination under the watchdog."""
-    from pipeline.group.launch import end_processes, free_port
+    from pipeline.launching import end_processes, free_port
 
     world = math.prod(shape)
     context = rank_context()

@@ -89,7 +89,7 @@ class Ranks:
 
     def __init__(self, backend: str, schedules: list[str], stall_in: str | None,
                  timeout: float) -> None:
-        from pipeline.group.launch import free_port
+        from pipeline.launching import free_port
 
         context = rank_context()
         self.results = context.Queue()
@@ -131,7 +131,7 @@ class Ranks:
 
     def close(self, hung: bool = False) -> None:
         """End the ranks: those that finished get 2 s to leave; hung ones are killed at once."""
-        from pipeline.group.launch import end_processes
+        from pipeline.launching import end_processes
 
         end_processes(self.processes, grace=0.0 if hung else 2.0)
 

@@ -1,4 +1,4 @@
-"""Launch benchmark ranks (through pipeline.group.launch) and watch other processes' load."""
+"""Launch benchmark ranks (through pipeline.launching) and watch other processes' load."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.group import launch
+from pipeline import launching
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``pipeline.group.launch.run_ranks`` with one thread per rank, pinned when PIPESCHED_PIN is set."""
-    return launch.run_ranks(fn, world, *args, timeout=timeout,
-                            pin=bool(os.environ.get("PIPESCHED_PIN")))
+    """``pipeline.launching.run_ranks`` with one thread per rank, pinned when PIPESCHED_PIN is
+    set, torch and pipeline preloaded."""
+    return launching.run_ranks(fn, world, *args, timeout=timeout,
+                               pin=bool(os.environ.get("PIPESCHED_PIN")),
+                               preload=launching.PRELOAD)
 
 
 class LoadMonitor:

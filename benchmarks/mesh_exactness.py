@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "pipeline" / "helpers"))
 
 from mesh_workers import gpt_exact  # noqa: E402
 
-from pipeline.group.launch import run_ranks  # noqa: E402
+from pipeline.launching import run_ranks  # noqa: E402
 
 EXACT = 1e-10
 WORLD = 8

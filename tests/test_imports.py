@@ -102,12 +102,21 @@ def _in_the_hall(package: str, rooms: tuple[str, ...]) -> list[str]:
 
 
 # pipeline/__init__.py, pipe.py, model_like.py, saving.py, checkpoints.py: the hall (façade).
-ROOMS = ("checkpointing", "setup", "predict", "runtime", "group", "transports", "compute",
+# ``launching`` (local gloo ranks for tests, examples and benchmarks) sits above every room
+# and nothing in the library imports it.
+ROOMS = ("launching", "checkpointing", "setup", "predict", "runtime", "group", "transports", "compute",
          "payloads", "errors")
 
 
 def test_pipeline_rooms_point_down() -> None:
     assert _pointing_up("pipeline", ROOMS) == []
+
+
+def test_nothing_in_the_library_launches_ranks() -> None:
+    importers = sorted(source for source, target in import_graph().edges
+                       if target.startswith("pipeline.launching")
+                       and not source.startswith("pipeline.launching"))
+    assert importers == []
 
 
 def test_every_pipeline_module_has_a_room() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.group.launch import free_port, run_ranks
+from tests.pipeline.helpers.dist_harness import free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_gpt.py"

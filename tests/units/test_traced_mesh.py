@@ -3,7 +3,7 @@ units; exact against the plain model on the union of the replicas' batches."""
 
 from __future__ import annotations
 
-from pipeline.group.launch import run_ranks
+from tests.pipeline.helpers.dist_harness import run_ranks
 from traced_workers import mesh_exact
 
 TOLERANCE = 1e-10

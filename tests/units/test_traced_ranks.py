@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.group.launch import run_ranks
+from tests.pipeline.helpers.dist_harness import run_ranks
 from traced_models import build
 from traced_workers import (exact_on_ranks, lengths_on_ranks, one_token_on_ranks, save_on_ranks,
                             state_on_ranks)

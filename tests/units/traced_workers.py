@@ -1,4 +1,4 @@
-"""Rank functions for the traced-model tests (spawned by pipeline.group.launch.run_ranks)."""
+"""Rank functions for the traced-model tests (spawned by pipeline.launching.run_ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Real gloo process groups on localhost for the distributed tests (see pipeline.group.launch)."""
+"""Real gloo process groups on localhost for the distributed tests (see pipeline.launching).
+
+``run_ranks`` and ``run_ranks_raw`` are the launcher's, with the fork server preloading
+torch and pipeline (``PRELOAD``): the tests start hundreds of ranks. Tests outside
+tests/pipeline import them as ``tests.pipeline.helpers.dist_harness``."""
 
 from __future__ import annotations
 
@@ -6,9 +10,24 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipeline.group.launch import free_port, run_ranks, run_ranks_raw
+from pipeline import launching
+from pipeline.launching import PRELOAD, free_port
 
 __all__ = ["free_port", "in_turn", "outcome", "run_ranks", "run_ranks_raw"]
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
+              threads: int = 1, pin: bool = False) -> list[Any]:
+    """``pipeline.launching.run_ranks``, preloading ``PRELOAD``."""
+    return launching.run_ranks(fn, world, *args, timeout=timeout, threads=threads, pin=pin,
+                               preload=PRELOAD)
+
+
+def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
+                  threads: int = 1, pin: bool = False) -> dict[int, tuple[str, Any]]:
+    """``pipeline.launching.run_ranks_raw``, preloading ``PRELOAD``."""
+    return launching.run_ranks_raw(fn, world, *args, timeout=timeout, threads=threads, pin=pin,
+                                   preload=PRELOAD)
 
 
 def in_turn(rank: int, world: int,

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.group.launch import run_ranks
+from dist_harness import run_ranks
 from sample_workers import samples_on_ranks
 from traced_models import Looped, looped_batch, mse
 

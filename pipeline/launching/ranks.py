@@ -1,11 +1,16 @@
 """Run a function on N local gloo processes: single-host experiments, tests and benchmarks.
 
-The processes are forked from multiprocessing's fork server, which has imported torch and
-pipeline once (``PRELOAD``): a rank starts in about 0.1 s instead of the 1-2 s of a fresh
-interpreter importing them (``spawn``, used where there is no fork server). Each rank
-still gets the caller's ``sys.path``, working directory and environment as they are at
-the call (the environment is handed over explicitly: a forked rank would otherwise
-see the fork server's, taken when it started).
+Nothing in the library imports this room: a Pipe never launches processes. The processes
+come from multiprocessing's fork server where there is one (``spawn`` elsewhere). The fork
+server is one per process and multiprocessing's own, so the launcher leaves its settings
+alone unless asked: ``preload=`` names modules for it to import once, before its first fork
+(``PRELOAD``: torch and pipeline, which the tests and benchmarks pass), and a rank then
+starts in about 0.1 s instead of the 1-2 s of importing them itself. Preloads count only
+before the fork server starts: the first launch of a process that passes them (or the
+caller's own ``set_forkserver_preload``) decides them for the rest of that process. Each
+rank still gets the caller's ``sys.path``, working directory and environment as they are
+at the call (the environment is handed over explicitly: a forked rank would otherwise see
+the fork server's, taken when it started).
 """
 
 from __future__ import annotations
@@ -23,19 +28,22 @@ from typing import Any
 
 
 FAILED_PEER_GRACE = 30.0  # seconds the other ranks get to answer once one has failed
-# Imported once, by the fork server. With the DTensor, FSDP2 and distributed checkpoint
-# modules that mesh, data-parallel and checkpoint ranks import, and torch._dynamo, which
-# FSDP2's first fully_shard imports: each 1 s or more a rank otherwise (2-4 s on 2 loaded
-# cores). None of them touches CUDA or starts a thread.
+# What the tests and benchmarks preload (``preload=PRELOAD``): torch and pipeline, with the
+# DTensor, FSDP2 and distributed checkpoint modules that mesh, data-parallel and checkpoint
+# ranks import, and torch._dynamo, which FSDP2's first fully_shard imports: each 1 s or
+# more a rank otherwise (2-4 s on 2 loaded cores). None of them touches CUDA or starts a
+# thread.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.checkpoint", "torch._dynamo", "pipeline")
 
 
-def _context() -> Any:
-    """The multiprocessing context ranks start from: the fork server where there is one."""
+def _context(preload: Sequence[str]) -> Any:
+    """The multiprocessing context ranks start from: the fork server where there is one,
+    asked to import ``preload`` when it starts (nothing is set when ``preload`` is empty)."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(list(PRELOAD))
+        if preload:
+            context.set_forkserver_preload(list(preload))
         return context
     return multiprocessing.get_context("spawn")
 
@@ -88,6 +96,7 @@ def run_ranks_raw(
     timeout: float = 300.0,
     threads: int = 1,
     pin: bool = False,
+    preload: Sequence[str] = (),
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world, *args)`` on ``world`` new gloo ranks of this host.
 
@@ -97,6 +106,8 @@ def run_ranks_raw(
         timeout: seconds to wait for every rank's answer.
         threads: intra-op threads per rank.
         pin: pin rank r to core r (Linux).
+        preload: modules the fork server imports once, if it has not started yet
+            (``PRELOAD`` for torch and pipeline); empty: its settings are left alone.
 
     Returns:
         ``{rank: ("ok", result)}`` or ``{rank: ("error", text)}``; a rank that died
@@ -104,7 +115,7 @@ def run_ranks_raw(
         ``FAILED_PEER_GRACE`` after another rank failed), reports an error too. Every
         process has ended when this returns.
     """
-    context = _context()
+    context = _context(preload)
     results = context.Queue()
     # A file, not a TCP port picked beforehand: a port free a moment ago may be taken (by
     # another launch, or as a connection's own port) before rank 0 listens on it.
@@ -144,13 +155,14 @@ def run_ranks_raw(
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
-              threads: int = 1, pin: bool = False) -> list[Any]:
+              threads: int = 1, pin: bool = False, preload: Sequence[str] = ()) -> list[Any]:
     """Like ``run_ranks_raw``, but return the results in rank order.
 
     Raises:
         RuntimeError: naming every rank that failed, with its error.
     """
-    answers = run_ranks_raw(fn, world, *args, timeout=timeout, threads=threads, pin=pin)
+    answers = run_ranks_raw(fn, world, *args, timeout=timeout, threads=threads, pin=pin,
+                            preload=preload)
     failures = [f"rank {rank}: {value}" for rank, (status, value) in sorted(answers.items())
                 if status != "ok"]
     if failures:
