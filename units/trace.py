@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import threading
-from collections.abc import Callable, Iterator
+import os
+import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.export import Dim
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from units.calls import CallSpec, as_call
@@ -93,30 +95,53 @@ def _check_no_backward_hooks(model: nn.Module) -> None:
         )
 
 
+class _RefuseTensorHooks(TorchFunctionMode):
+    """Refuses ``Tensor.register_hook`` on a non-parameter: entered in the tracing thread
+    only. torch's function modes are a per-thread stack and ``register_hook`` consults it
+    (``__torch_function__``), so the class and every other thread, a re-trace's stages
+    registering hooks meanwhile included, are left as they are."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model_name = type(model).__name__
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _REGISTER_HOOK and args and not isinstance(args[0], nn.Parameter):
+            filename, line, text = _caller_of_register_hook()
+            raise TraceError(
+                f"{self.model_name}'s forward registers a tensor hook at {filename}:{line} "
+                f"({text}), which a traced graph cannot keep: register it on a parameter, "
+                f"or give the Pipe an nn.Sequential of your blocks"
+            )
+        return func(*args, **kwargs)
+
+
+_REGISTER_HOOK = torch.Tensor.register_hook
+
+
+def _caller_of_register_hook() -> tuple[str, int | None, str | None]:
+    """Where the forward called ``register_hook``: the innermost frame outside torch and
+    this module (torch's ``register_hook`` and the modes export keeps on the stack, which
+    call it again, stand between it and this mode)."""
+    stack = traceback.extract_stack()
+    for frame in reversed(stack):
+        if not frame.filename.startswith(_TORCH_FILES) and frame.filename != __file__:
+            return frame.filename, frame.lineno, frame.line
+    return stack[0].filename, stack[0].lineno, stack[0].line
+
+
+_TORCH_FILES = os.path.dirname(torch.__file__) + os.sep
+
+
 @contextlib.contextmanager
 def _refusing_tensor_hooks(model: nn.Module) -> Iterator[None]:
     """A forward that registers a tensor hook (``h.register_hook(...)``) would lose it in
-    the graph, silently: while tracing, such a call is an error naming where it was made."""
-    original: Callable[..., Any] = torch.Tensor.register_hook
-    tracer = threading.get_ident()  # a re-trace runs beside stages that register hooks
-
-    def refuse(tensor: torch.Tensor, hook: Any) -> Any:
-        if isinstance(tensor, nn.Parameter) or threading.get_ident() != tracer:
-            return original(tensor, hook)
-        import traceback
-
-        frame = traceback.extract_stack()[-2]  # the caller of register_hook
-        raise TraceError(
-            f"{type(model).__name__}'s forward registers a tensor hook at {frame.filename}:"
-            f"{frame.lineno} ({frame.line}), which a traced graph cannot keep: register it on "
-            f"a parameter, or give the Pipe an nn.Sequential of your blocks"
-        )
-
-    torch.Tensor.register_hook = refuse  # type: ignore[method-assign]
-    try:
+    the graph, silently: while this thread traces, such a call is an error naming where it
+    was made (``_RefuseTensorHooks``)."""
+    with _RefuseTensorHooks(model):
         yield
-    finally:
-        torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 def _ties(model: nn.Module) -> list[tuple[str, ...]]:
