@@ -247,6 +247,9 @@ def measure_model(workload: Workload, rank: int, steps: int) -> ModelReport:
 
 def rank_main(rank: int, world: int, names: Sequence[str], steps: int) -> list[ModelReport]:
     """Each named model in turn, on one torch thread."""
+    from pipeline import keep_freed_pages
+
     torch.set_num_threads(1)
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     return [measure_model(WORKLOADS[name], rank, steps) for name in names]
 

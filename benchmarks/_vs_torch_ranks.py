@@ -102,9 +102,6 @@ class TorchStage:
         import torch
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        from pipeline.runtime.freed_pages import keep_freed_pages
-
-        keep_freed_pages()  # host memory as a CPU Pipe has it, so that only the runtimes differ
         self.module = module
         stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -148,7 +145,10 @@ def rank_main(rank: int, world: int, counts: list[int], warmup: int, steps: int,
     import torch
     import torch.distributed as dist
 
+    from pipeline import keep_freed_pages
+
     torch.set_num_threads(1)
+    keep_freed_pages()  # host memory kept between actions, both runtimes alike
     report: dict[str, Any] = {"by_m": {}}
     report["barrier_ms"] = median_ms([end - start for start, end in
                                       (timed_between_barriers(lambda: None) for _ in range(50))])

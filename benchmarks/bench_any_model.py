@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline import Pipe
+from pipeline import Pipe, keep_freed_pages
 
 
 class Embeddings(nn.Module):
@@ -105,6 +105,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     torch.set_num_threads(1)
     from units import cut_model
 

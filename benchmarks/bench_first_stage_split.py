@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench_split_backward import Block  # noqa: E402
+from pipeline import keep_freed_pages  # noqa: E402
 from split_backward import ChunkSplit  # noqa: E402
 
 PATHS = ("graph", "layers", "auto")
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipe", action="store_true", help="stage 0 of a Pipe instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     if args.pipe:
         pipe_table(steps=4)
         return 0

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeline import Pipe
+from pipeline import Pipe, keep_freed_pages
 from schedules import Op, Timeline, simulate
 
 STAGES = 2
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     if args.blocks is not None and (args.blocks < STAGES or args.blocks % STAGES):
         parser.error(f"--blocks must be a positive multiple of {STAGES}, got {args.blocks}")
 

@@ -92,10 +92,11 @@ def rank_main(rank: int, world: int, cells: list[tuple[str, str, int]], warmup: 
     """Per cell: both predictions and the measured timelines (rank 0), memory (every rank)."""
     import torch.distributed as dist
 
-    from pipeline import Pipe
+    from pipeline import Pipe, keep_freed_pages
     from pipeline.compute.microbatch import split_batch
     from pipeline.predict.step import predict_step
 
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     results = []
     for model_name, schedule, microbatches in cells:
         model, x, target, loss_fn = build(model_name)

@@ -63,6 +63,9 @@ class Measured:
 def rank_main(rank: int, world: int, microbatches: int, schedules: list[str], warmup: int,
               steps: int, rounds: int, seconds: float, load: Any) -> dict[str, Any]:
     """Per schedule: its Schedule, and each measured step's (start, end) and Timeline."""
+    from pipeline import keep_freed_pages
+
+    keep_freed_pages()  # host memory kept between actions, as a GPU's caching allocator keeps it
     runners = {name: Measured(rank, microbatches, name) for name in schedules}
     for runner in runners.values():
         for _ in range(warmup):

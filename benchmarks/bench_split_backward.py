@@ -27,9 +27,8 @@ The bars (issue 33): ``auto``'s (I + W) / B <= 1.08 on gpt, <= 1.10 on resnet,
 <= 1.5 on linear, and no slower than the graph split's and torch's. Exits 1 when a
 bar is missed.
 
-Freed memory is kept as a CPU ``Pipe`` keeps it (``pipeline.runtime.freed_pages``: glibc
-asked not to trim its heap nor to map blocks under 32 MiB apart), as a GPU's caching
-allocator does. With ``--glibc-defaults`` glibc keeps its own thresholds: the gradients I
+Freed memory is kept (``pipeline.keep_freed_pages()``: glibc asked not to trim its heap
+nor to map blocks under 32 MiB apart), as a GPU's caching allocator does. With ``--glibc-defaults`` glibc keeps its own thresholds: the gradients I
 holds for W then push the allocations after them onto pages glibc gave back at the last
 round's end, and I pays those pages' faults where B reuses the buffers it just freed.
 
@@ -64,7 +63,7 @@ from torch.distributed.pipelining._backward import (  # noqa: E402
     stage_backward_weight,
 )
 
-from pipeline.runtime.freed_pages import keep_freed_pages  # noqa: E402
+from pipeline import keep_freed_pages  # noqa: E402
 
 
 BARS = {"gpt": 1.08, "resnet": 1.10, "linear": 1.5, "hf-gpt2": 1.08}
@@ -133,13 +132,13 @@ def traced_gpt2_blocks() -> tuple[nn.Module, torch.Tensor]:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
-    from pipeline.setup.options import sequential_of
+    from partitioners.measure.model_cut import cut_of
 
     logging.set_verbosity_error()
     config = GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = torch.randint(0, 256, (4, 64))
-    units, _ = sequential_of(GPT2LMHeadModel(config), {"input_ids": ids}, None)
+    units = cut_of(GPT2LMHeadModel(config), {"input_ids": ids}).units
     with torch.no_grad():
         carried = units[0]({"input_ids": ids})
     *beside, hidden = carried
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where the stages run (cuda: timed "
                         "with synchronisation; the caching allocator keeps pages anyway)")
     parser.add_argument("--glibc-defaults", action="store_true",
-                        help="leave glibc's malloc thresholds alone (a CPU Pipe sets them)")
+                        help="leave glibc's malloc thresholds alone (no keep_freed_pages())")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if not args.glibc_defaults:

@@ -92,9 +92,6 @@ class Torch:
             ScheduleZBVZeroBubble,
         )
 
-        from pipeline.runtime.freed_pages import keep_freed_pages
-
-        keep_freed_pages()  # host memory as a CPU Pipe has it, so that only schedules differ
         model = make_model()
         if kind == "zbv":  # V placement: rank 0 runs stages 0 and 3, rank 1 stages 1 and 2
             indices = (0, 3) if rank == 0 else (1, 2)
@@ -128,6 +125,10 @@ class Torch:
 def side_main(rank: int, world: int, side: str, warmup: int, steps: int) -> dict[str, Any]:
     """One side in fresh processes: each step's seconds on this rank, and the gradient norm."""
     import torch.distributed as dist
+
+    from pipeline import keep_freed_pages
+
+    keep_freed_pages()  # host memory kept between actions, both sides alike
 
     owner, schedule, *split = side.split()
     runner: Any = Ours(rank, schedule, *split) if owner == "ours" else Torch(rank, schedule)

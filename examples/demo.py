@@ -77,7 +77,7 @@ def compare_schedules(stages: int = 4, microbatches: int = 8) -> None:
 
 def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int = 8,
                         steps: int = 5) -> list[tuple[str, Any, Any]] | None:
-    """On each of ``world`` gloo ranks (``pipeline.group.launch.run_ranks``): per schedule, the
+    """On each of ``world`` gloo ranks (``pipeline.launching.run_ranks``): per schedule, the
     step predicted before any step ran, and the median-makespan measured step after one
     warm-up. Rank 0 returns ``[(schedule, predicted, measured)]``, the others None."""
     import torch
@@ -85,8 +85,9 @@ def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int
     from torch import nn
 
     from examples.train_mlp import build_model, teacher_batch
-    from pipeline import Pipe
+    from pipeline import Pipe, keep_freed_pages
 
+    keep_freed_pages()  # steady CPU step times: freed memory kept for the next allocation
     found = []
     for name in schedules:
         pipe = Pipe(build_model(256, 8), chunks=chunks, schedule=name, checkpoint="except_last",
@@ -112,7 +113,7 @@ def predict_and_measure(rank: int, world: int, schedules: list[str], chunks: int
 
 
 def predicted_bubble(schedule: str = "1f1b") -> None:
-    from pipeline.group.launch import run_ranks
+    from pipeline.launching import run_ranks
 
     predicted, measured = run_ranks(predict_and_measure, 2, [schedule])[0][0][1:]
     error = (predicted.bubble_fraction - measured.bubble_fraction) / measured.bubble_fraction

@@ -1,54 +1,59 @@
-"""A fresh process that builds a CPU Pipe, then counts the page faults of allocations that
-repeat; run as a script, it prints what it found as JSON.
+"""A fresh process that builds, steps and closes a CPU Pipe, then frees 1 GiB of its own
+tensors and reads its resident memory; then opts in to kept pages and does it again. Run as
+a script, it prints what it found as JSON.
 
-A fresh process, not a rank forked from ``run_ranks``' fork server: what glibc does with
-freed memory under its own dynamic thresholds depends on everything the process allocated
-and freed before, and a fresh interpreter's history is only its imports.
+A fresh process, not a rank forked from a fork server: what glibc does with freed memory
+depends on every ``mallopt`` the process made and on what it allocated and freed before,
+and a fresh interpreter's history is only its imports.
 """
 
 from __future__ import annotations
 
 import json
-import resource
+import os
 
 import torch
 from torch import nn
 
-from pipeline import Pipe
-from pipeline.runtime.freed_pages import keep_freed_pages
+from pipeline import Pipe, keep_freed_pages
+
+TOTAL = 1 << 30  # what each round allocates, all of it alive at once
+EACH = 4 << 20  # per tensor: far above glibc's default mmap threshold (128 KiB)
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def resident_bytes() -> int:
+    """This process's resident set, from ``/proc/self/statm`` (its second field, in pages)."""
+    with open("/proc/self/statm", encoding="ascii") as statm:
+        return int(statm.read().split()[1]) * PAGE
 
 
-def _allocate_and_free(bytes_each: int) -> None:
-    """Buffers kept while others come and go (what I keeps for W), then all freed."""
-    kept = [torch.ones(bytes_each // 4) for _ in range(8)]
-    passing = [torch.ones(bytes_each // 4) for _ in range(8)]
-    del passing, kept
+def allocate_and_free() -> int:
+    """``TOTAL`` bytes of tensors in ``EACH``-byte pieces, every page touched, then freed:
+    the resident bytes while they were alive."""
+    pieces = [torch.ones(EACH // 4) for _ in range(TOTAL // EACH)]
+    alive = resident_bytes()
+    del pieces
+    return alive
 
 
-def faults_after_a_cpu_pipe() -> dict[str, object]:
-    """Whether a CPU Pipe asked glibc to keep freed pages and glibc now does, and the faults of rounds of 16 buffers of 1 MiB
-    and of 8 MiB (pages touched: 4096 and 32768): the fewer of two rounds after two more."""
-    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2, balance=[1, 1],
-                devices=["cpu", "cpu"])
-    pipe(torch.randn(4, 4)).sum().backward()
-    asked = keep_freed_pages.cache_info().currsize == 1  # by the Pipe: nothing else calls it
-    faults = {}
-    for bytes_each in (1 << 20, 8 << 20):
-        for _ in range(2):
-            _allocate_and_free(bytes_each)
-        rounds = []
-        for _ in range(2):
-            before = _faults()
-            _allocate_and_free(bytes_each)
-            rounds.append(_faults() - before)
-        faults[str(bytes_each)] = min(rounds)
-    return {"asked": asked, "kept": keep_freed_pages(), "faults": faults}
+def after_a_cpu_pipe() -> dict[str, object]:
+    """Resident bytes before, during and after a round, once after a Pipe was built,
+    stepped and closed, and once more after ``keep_freed_pages()``."""
+    with Pipe(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), chunks=2,
+              balance=[2, 1], devices=["cpu", "cpu"], loss_fn=nn.MSELoss()) as pipe:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+    asked_by_the_pipe = keep_freed_pages.cache_info().currsize == 1
+    rounds = {}
+    for name in ("plain", "kept"):
+        if name == "kept":
+            rounds["applied"] = keep_freed_pages()
+        before = resident_bytes()
+        alive = allocate_and_free()
+        rounds[name] = {"before": before, "alive": alive, "after": resident_bytes()}
+    return {"asked_by_the_pipe": asked_by_the_pipe, **rounds}
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    print(json.dumps(faults_after_a_cpu_pipe()))
+    print(json.dumps(after_a_cpu_pipe()))
