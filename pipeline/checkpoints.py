@@ -234,17 +234,8 @@ def _scope_of_pipe(pipe: Pipe) -> _Scope:
     if settings is not None:
         # Data-parallel replicas write the same keys (the plan keeps one copy): all take part.
         ranks = RankGroup(settings.holders, pipe.timeout)
-    traced = pipe._traced
-    if traced is not None:  # a traced model: its units' share under the model's own names
-        layout = Layout(traced.view(pipe.local_layers),
-                        frozenset(traced.to_model_state(pipe.model.state_dict(keep_vars=True))),
-                        traced.model_ties(pipe._ties))
-        return _Scope(layout, ranks, pipe.devices[0])
-    view = nn.Module()  # the local layers under the nn.Sequential's names: "4.weight"
-    for index in pipe.local_layers:
-        view.add_module(str(index), pipe.model[index])
-    layout = Layout(view, frozenset(pipe.model.state_dict(keep_vars=True)),
-                    tuple(tuple(names) for names in pipe._ties))
+    cut = pipe.cut  # this rank's units under the model's own names
+    layout = Layout(cut.view(pipe.local_layers), cut.keys(), cut.ties)
     return _Scope(layout, ranks, pipe.devices[0])
 
 

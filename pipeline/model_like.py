@@ -12,7 +12,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from pipeline.compute.shared import check_keys, check_ties_kept
+from units import Cut
+
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.runtime.runner import Runner
 
 
@@ -24,9 +26,8 @@ class ModelLike:
 
     model: nn.Sequential
     source_model: nn.Module
-    _traced: Any  # a units.TracedModel when the model was traced, else None
+    cut: Cut
     _runner: Runner | None
-    _ties: list[tuple[str, ...]]  # the model's tied keys, read before any rank freed a layer
 
     @property
     def local_layers(self) -> list[int]:
@@ -63,9 +64,13 @@ class ModelLike:
                 parameter.grad.zero_()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state under its own keys (with a group: this rank's layers only)."""
-        state = self.model.state_dict() if self._runner is None else self._runner.state_dict()
-        return state if self._traced is None else self._traced.to_model_state(state)
+        """The model's state under its own keys (with a group: this rank's layers only;
+        sharded entries whole, so every replica must call it)."""
+        return {key: tensor.full_tensor() if is_dtensor(tensor) else tensor
+                for key, tensor in self.cut.named_state(self._local())}
+
+    def _local(self) -> list[int] | None:
+        return None if self._runner is None else list(self._runner.local_layers)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load a state dict saved from the model or the Pipe (keys of other ranks are skipped).
@@ -78,17 +83,7 @@ class ModelLike:
         Raises:
             ValueError: keys missing or unexpected (strict), or a tie the state would break.
         """
-        if self._traced is not None:
-            state = self._traced.to_unit_state(state)
-        check_ties_kept(self._ties, state)
-        if strict:
-            local = range(len(self.model)) if self._runner is None else getattr(
-                self._runner, "local_layers", range(len(self.model)))
-            check_keys(self.model, state, list(local))
-        if self._runner is None:
-            self.model.load_state_dict(state, strict=strict)
-        else:
-            self._runner.load_state_dict(state, strict=strict)
+        self.cut.load_state_dict(state, self._local(), strict=strict)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage's gradients; returns that total norm.

@@ -1,4 +1,4 @@
-"""Pipe: the user-facing wrapper that runs an nn.Sequential as a pipeline of stages."""
+"""Pipe: the user-facing wrapper that runs a model, cut into units, as a pipeline of stages."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from torch import nn
 from schedules import Schedule, Timeline
 from schedules.checkpointing import CheckpointMode, check_mode
 from split_backward import SplitMode
+from split_backward import check_mode as check_split_mode
+from partitioners.measure.model_cut import cut_of
+from units import Cut, UnitInfo
 
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.compute.loss import SummedLoss, loss_rule
 from pipeline.compute.own_loss import check_labels_on_last, own_loss_rule, own_loss_target
 from pipeline.compute.microbatch import merge, split, split_batch
-from pipeline.compute.shared import tied_keys
 from pipeline.errors import PeerError
 from pipeline.group.distributed import Distributed, layout_of
 from pipeline.group.ranks import RankGroup, Ranks
@@ -33,10 +35,8 @@ from pipeline.runtime.runner import PendingTimeline, Runner
 from pipeline.setup.arguments import refuse_old_keywords, split_sample
 from pipeline.setup.balancing import resolve_balance
 from pipeline.setup.coordination import choose_plan, replicas_of
-from pipeline.setup.options import (build_schedule, check_deferred_norms, check_model,
-                                    check_positive,
-                                    chunks_per_stage, count_stages, resolve_devices,
-                                    sequential_of)
+from pipeline.setup.options import (build_schedule, check_model, check_positive,
+                                    chunks_per_stage, count_stages)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -154,19 +154,22 @@ class Pipe(ModelLike):
                                 schedule_options=schedule_options,
                                 traced_sample=None if isinstance(model, nn.Sequential) else inputs)
         self.source_model = check_model(model)
-        self.model, self._traced = sequential_of(self.source_model, inputs, units)
+        self.cut: Cut = cut_of(self.source_model, inputs, units)
+        self.model = self.cut.units
+        self.cut.ties  # noqa: B018 - read while every rank still holds every layer
         self.timeout, self._closed, self._distributed = timeout, False, settings
+        self._split_backward = check_split_mode(split_backward)
         self._one_call = OneCall()  # step, pipe(x), predict and close: one at a time
         self._measuring = 0  # measure_memory() blocks entered and not left
         picked = self._pick(chunks, schedule, balance, checkpoint, devices, stages,
                             schedule_options, (inputs, target, loss_fn), memory_limit)
         self.loss_fn = loss_fn  # None with labels in a traced sample: the model's own loss
         self._loss_rule = loss_rule(loss_fn) or own_loss_rule(
-            self.source_model, self._traced is not None, inputs)
-        check_deferred_norms(self._traced, self.model, deferred_batch_norm)
+            self.source_model, self.cut.takes_batch_as_written, inputs)
+        self.cut.check_options(deferred_batch_norm)
         self._options = ChunkOptions(
             self.checkpoint, self._loss_rule.function if self._loss_rule is not None else None,
-            bool(deferred_batch_norm), split_backward)
+            bool(deferred_batch_norm), self._split_backward)
         self._schedule = build_schedule(picked.schedule, picked.stages, self.chunks,
                                         picked.options)
         self._balance_request = picked.balance
@@ -185,16 +188,16 @@ class Pipe(ModelLike):
         options = dict(schedule_options or {})
         planning = chunks == "auto" or schedule == "auto"
         per_stage = 1 if planning else chunks_per_stage(schedule, options)
-        group = None if self._distributed is None else self._distributed.group
         stage_count, self._stage_source = count_stages(schedule, devices, balance, stages,
-                                                       per_stage, group)
-        self._devices = resolve_devices(devices, stage_count, group)
+                                                       per_stage, self._processes.implied_stages())
+        self._devices = self._processes.devices(devices, stage_count)
         self._plan: Any = None
         if planning:
-            self._plan = choose_plan(self.model, chunks, schedule, checkpoint, stage_count,
+            self._plan = choose_plan(self.cut, chunks, schedule, checkpoint, stage_count,
                                      samples, self._devices, memory_limit, self._ranks,
                                      self._deciders, replicas_of(self._distributed,
-                                                                 self._devices[0], self.timeout))
+                                                                 self._devices[0], self.timeout),
+                                     self._split_backward)
             picked = self._plan.pipe_options()
             chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
             checkpoint, options = picked["checkpoint"], picked["schedule_options"]
@@ -204,7 +207,6 @@ class Pipe(ModelLike):
 
     def _forget_steps(self, runner: Runner | None) -> None:
         self._runner: Runner | None = runner
-        self._ties = tied_keys(self.model)
         self._timeline: Timeline | None = None
         self._pending: PendingTimeline | None = None  # the last step's, until read
         # The last few steps' measured timelines (rank 0 with a group), which refine predict().
@@ -284,13 +286,11 @@ class Pipe(ModelLike):
         return self._plan
 
     @property
-    def units(self) -> tuple[Any, ...] | None:
-        """For a traced model, its units (``units.UnitInfo``: index, name, the model's
+    def units(self) -> tuple[UnitInfo, ...]:
+        """The units the model is cut into (``units.UnitInfo``: index, name, the model's
         modules and parameter names, and the chunk and stage that run it; ``pipe.balance``
-        counts them); None for a Sequential."""
-        if self._traced is None:
-            return None
-        infos: tuple[Any, ...] = self._traced.units
+        counts them): a Sequential's layers, or a traced model's pieces."""
+        infos = self.cut.infos
         if self._balance is None:
             return infos
         chunk_of = [c for c, count in enumerate(self._balance) for _ in range(count)]
@@ -409,13 +409,12 @@ class Pipe(ModelLike):
                              "similar, or trace it with labels in the sample (the model's own loss)")
         if self.loss_fn is None and target is None:
             target = own_loss_target(x, self._ranks.size == 1)
-        if self._traced is not None:
-            self._traced.check_model()
-            if x is not None:
-                self._traced.check_batch(x)
+        self.cut.check_model()
+        if x is not None:
+            self.cut.check_batch(x)
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1)
-        if self._traced is not None and inputs is not None:
-            self._traced.prepare(inputs)
+        if inputs is not None:
+            self.cut.prepare(inputs)
         runner = self._ensure_runner(x)
         if self.loss_fn is None:
             check_labels_on_last(targets, getattr(runner, "stage", None),
@@ -492,13 +491,12 @@ class Pipe(ModelLike):
     def _forward(self, x: Any) -> Any:
         if x is None and self._ranks.size == 1:
             raise ValueError("pipe(x) needs an input batch in one process, got None")
-        if self._traced is not None:
-            self._traced.check_model()
-            if x is not None:
-                self._traced.check_batch(x)
+        self.cut.check_model()
+        if x is not None:
+            self.cut.check_batch(x)
         inputs = split(x, self.chunks) if x is not None else None
-        if self._traced is not None and inputs is not None:
-            self._traced.prepare(inputs)
+        if inputs is not None:
+            self.cut.prepare(inputs)
         runner = self._ensure_runner(x)
         outputs = runner.run_forward(inputs)
         if outputs is None:

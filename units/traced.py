@@ -1,20 +1,21 @@
-"""Any nn.Module as an ``nn.Sequential`` of units: traced once per mode, cut, its own names.
+"""Any nn.Module as a ``Cut`` of units: traced per mode, cut, under its own names.
 
-``cut_model(model, sample)`` is what ``Pipe`` calls for a model that is not an
-``nn.Sequential``; the balancer, the schedules, both runtimes and the mesh then see a
-Sequential as they always have. Its state-dict keys are ``"<unit>.<the model's key>"``
-(``"3.model.layers.2.mlp.up_proj.weight"``): ``model_key`` and ``unit_keys`` translate.
+``cut_model(model, sample)`` is how a model that is not an ``nn.Sequential`` becomes a
+``Cut``: the balancer, the schedules, both runtimes and the mesh run its ``units`` (an
+``nn.Sequential`` of ``Unit``) as they run a Sequential's layers, and each unit holds the
+model's own modules at their paths, so its keys are the model's
+(``"model.layers.2.mlp.up_proj.weight"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from units.cut import Cut, UnitInfo
 from units.boundaries import block_run, forward_order
 from units.errors import TraceError
 from units.programs import Program
@@ -24,44 +25,32 @@ from units.unit import Unit, attach
 from units.variants import Retracer, cut_units
 
 
-@dataclass(frozen=True)
-class UnitInfo:
-    """What one unit runs: its index, name, the model's modules and parameter names, and
-    (from ``pipe.units``, once the model is cut) the model chunk and stage that run it."""
-
-    index: int
-    name: str
-    modules: tuple[str, ...]
-    parameters: tuple[str, ...]
-    chunk: int | None = None
-    stage: int | None = None
-
-
-class TracedModel:
-    """A model cut into units: ``sequential`` runs it, ``units`` describes the cut."""
+class TracedCut(Cut):
+    """A model traced and cut into units: each unit holds the model's own modules at their
+    paths (so its keys are the model's), and the cut checks the model and batches against
+    what its graphs were traced from."""
 
     def __init__(self, model: nn.Module, sequential: nn.Sequential, infos: list[UnitInfo],
                  traced_modes: dict[bool, tuple[bool, ...]]):
-        self.model = model
-        self.sequential = sequential
-        self.units = tuple(infos)
+        super().__init__(model, sequential, infos, [""] * len(sequential))
         self._modes = traced_modes
         self._state = ModelState.of(model)  # what the graphs took from the model
+        self.rewrites: list[Callable[[fx.GraphModule], Any]] = []
+
+    @property
+    def takes_batch_as_written(self) -> bool:
+        return True
 
     def check_batch(self, batch: Any) -> None:
         """Raise ValueError now, before a step begins, for a batch the first unit would refuse
         (other arguments or keys, another value of a non-tensor argument)."""
-        first = self.sequential[0]
-        assert isinstance(first, Unit)
-        first.check(batch)
+        self._first.check(batch)
 
     def prepare(self, microbatches: Sequence[Any]) -> None:
         """Trace, before a step, the sizes of micro-batches the traces so far cannot run
         (``units.variants``), so that every unit of this process has their variants."""
-        first = self.sequential[0]
-        assert isinstance(first, Unit)
         for microbatch in microbatches:
-            first.prepare(microbatch, self.model.training)
+            self._first.prepare(microbatch, self.model.training)
 
     def check_model(self) -> None:
         """Raise ValueError now, before a step begins, if the model is no longer the one its
@@ -81,62 +70,44 @@ class TracedModel:
                 f"traces it again), or undo the change"
             )
 
-    def view(self, indices: Sequence[int]) -> nn.Module:
-        """What units ``indices`` hold, under the model's own names, each object once: the
-        module a checkpoint of this process's share reads and writes."""
-        found = nn.Module()
-        seen: set[int] = set()
-        for index in indices:
-            unit = self.sequential[index]
+    def check_options(self, deferred_batch_norm: bool) -> None:
+        """Refuse ``deferred_batch_norm=True`` for a model holding BatchNorm layers: a traced
+        graph calls ``batch_norm`` itself, never the layer's forward, where the deferred
+        statistics are gathered (it would update them per micro-batch, silently).
+
+        Raises:
+            ValueError: such a model and option.
+        """
+        norms = [name for name, module in self.model.named_modules()
+                 if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+        if deferred_batch_norm and norms:
+            raise ValueError(
+                f"deferred_batch_norm=True updates BatchNorm statistics from the layers' own "
+                f"forward, which a traced model does not call ({len(norms)} BatchNorm layers, "
+                f"e.g. {norms[0]!r}); leave it off (each micro-batch counts once, as in the "
+                f"plain model run micro-batch by micro-batch), or give the Pipe an "
+                f"nn.Sequential of your blocks"
+            )
+
+    def rewrite(self, rewrite: Callable[[fx.GraphModule], Any]) -> None:
+        """Apply ``rewrite`` to every program of every unit, and to those later traces add."""
+        if rewrite in self.rewrites:
+            return
+        self.rewrites.append(rewrite)
+        for unit in self.units:
             assert isinstance(unit, Unit)
-            for path, module, tensor in unit.held():
-                key = id(module) if module is not None else id(tensor[1]) if tensor else 0
-                if key not in seen:
-                    seen.add(key)
-                    attach(found, path, module, tensor)
-        return found
+            for graph in unit.graphs:
+                rewrite(graph)
 
-    def model_ties(self, unit_ties: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
-        """Groups of tied unit keys -> the model's keys of each tie (the same tensor held
-        by several units is one key, not a tie)."""
-        found = []
-        for group in unit_ties:
-            names = tuple(dict.fromkeys(self.model_key(key) for key in group))
-            if len(names) > 1:
-                found.append(names)
-        return tuple(dict.fromkeys(found))
-
-    def model_key(self, key: str) -> str:
-        """``"3.model.norm.weight"`` -> ``"model.norm.weight"``."""
-        return key.split(".", 1)[1]
-
-    def unit_keys(self, key: str, keys: Sequence[str]) -> list[str]:
-        """Every unit key in ``keys`` that holds the model's ``key``."""
-        return [k for k in keys if self.model_key(k) == key]
-
-    def to_model_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A state keyed by units -> keyed as the model names it (each key once)."""
-        found: dict[str, Any] = {}
-        for key, value in state.items():
-            found.setdefault(self.model_key(key), value)
-        order = {key: i for i, key in enumerate(self.model.state_dict(keep_vars=True))}
-        return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
-
-    def to_unit_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A state keyed as the model names it -> keyed by units (shared entries repeated);
-        keys the units do not hold are kept as they are, for strict checks to name."""
-        holders: dict[str, list[str]] = {}
-        for key in self.sequential.state_dict(keep_vars=True):
-            holders.setdefault(self.model_key(key), []).append(key)
-        found: dict[str, Any] = {}
-        for key, value in state.items():
-            for unit_key in holders.get(key, [key]):
-                found[unit_key] = value
-        return found
+    @property
+    def _first(self) -> Unit:
+        first = self.units[0]
+        assert isinstance(first, Unit)
+        return first
 
 
-def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
-              rewrite: Callable[[fx.GraphModule], Any] | None = None) -> TracedModel:
+def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
+              ) -> TracedCut:
     """Trace ``model`` with ``sample`` (training and evaluation modes) and cut it.
 
     Args:
@@ -146,8 +117,6 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
         units: module names (as in ``model.named_modules()``) where units begin, in the
             order the forward runs them; None: the prologue, each block of the model's
             main run of same-class blocks, and the epilogue.
-        rewrite: a pass over every program's graph, those of later traces too (the
-            Pipe points a traced Linear at the functions that defer its weight gradient).
 
     Raises:
         TraceError: the model cannot be traced, or ``units`` names no module it runs.
@@ -194,19 +163,11 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
         raise TraceError("the training and evaluation forwards cut into different numbers of "
                          "units: pass units=[...]")
     assembled = _assemble(model, traced, cut, call, names, mixes)
-    _ready(assembled, starts, units is None, mixes, rewrite)
+    units_run = [unit for unit in assembled.units if isinstance(unit, Unit)]
+    # the first unit traces the sizes no variant runs, under the cut's rewrites
+    units_run[0].grow = Retracer(model, units_run, starts, units is None, mixes,
+                                 assembled.rewrites)
     return assembled
-
-
-def _ready(traced: TracedModel, starts: list[str], default: bool,
-           mixes: dict[bool, tuple[bool, ...]],
-           rewrite: Callable[[fx.GraphModule], Any] | None) -> None:
-    """The first unit traces the sizes no variant runs; every program gets ``rewrite``."""
-    units = [unit for unit in traced.sequential if isinstance(unit, Unit)]
-    units[0].grow = Retracer(traced.model, units, starts, default, mixes, rewrite)
-    for unit in units if rewrite is not None else []:
-        for graph in unit.graphs:
-            rewrite(graph)  # type: ignore[misc]
 
 
 def _traced_modes(model: nn.Module) -> dict[bool, tuple[bool, ...]]:
@@ -219,7 +180,7 @@ def _traced_modes(model: nn.Module) -> dict[bool, tuple[bool, ...]]:
 
 def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
               cut: dict[bool, tuple[list[Program], list[Any]]], call: Any,
-              names: list[str], mixes: dict[bool, tuple[bool, ...]]) -> TracedModel:
+              names: list[str], mixes: dict[bool, tuple[bool, ...]]) -> TracedCut:
     programs = {mode: cut[mode][0] for mode in cut}
     count = len(programs[True])
     mode = _RootMode(model)
@@ -233,7 +194,7 @@ def _assemble(model: nn.Module, traced: dict[bool, fx.GraphModule],
                           outputs if index == count - 1 else None))
         sequential.append(units[-1])
     infos = _hold_state(model, units, programs, traced)
-    return TracedModel(model, sequential, infos, mixes)
+    return TracedCut(model, sequential, infos, mixes)
 
 
 class _RootMode:

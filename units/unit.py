@@ -156,10 +156,6 @@ class Unit(nn.Module):
         """Hold ``module`` at ``path`` (or ``tensor``: a name, the tensor, persistent)."""
         attach(self, path, module, tensor)
 
-    def held(self) -> Iterator[tuple[str, nn.Module | None, tuple[str, torch.Tensor, bool] | None]]:
-        """What this unit holds of the model, as ``attach`` took it: (path, module, None)
-        for a module held whole, (path, None, (name, tensor, persistent)) for a tensor."""
-        yield from _held(self, "")
 
 
 def fits(program: Program, values: Sequence[Any]) -> bool:
@@ -260,6 +256,13 @@ def attach(root: nn.Module, path: str, module: nn.Module | None = None,
 class _Holder(nn.Module):
     """A plain module standing for one of the model's modules on the path to what a unit
     holds (the model's own module is not held whole: it holds other units' parts too)."""
+
+
+def held(unit: nn.Module) -> Iterator[tuple[str, nn.Module | None,
+                                           tuple[str, torch.Tensor, bool] | None]]:
+    """What ``unit`` holds of the model, as ``attach`` took it: (path, module, None) for a
+    module held whole, (path, None, (name, tensor, persistent)) for a tensor."""
+    yield from _held(unit, "")
 
 
 def _held(module: nn.Module, prefix: str

@@ -52,13 +52,13 @@ class Retracer:
 
     def __init__(self, model: nn.Module, units: Sequence[Unit], starts: Sequence[str],
                  default: bool, modes: dict[bool, tuple[bool, ...]],
-                 rewrite: Callable[[fx.GraphModule], Any] | None) -> None:
+                 rewrites: Sequence[Callable[[fx.GraphModule], Any]]) -> None:
         self.model = model
         self.units = list(units)
         self.starts = list(starts)
         self.default = default
         self.modes = modes
-        self.rewrite = rewrite
+        self.rewrites = rewrites  # the cut's passes, those added later too
         self.added = {True: 0, False: 0}
         self.refusal = ""  # why the last trace asked for could not be made
         self._lock = threading.Lock()
@@ -82,8 +82,8 @@ class Retracer:
                 return False
             outputs: Any = (returned, graph_module._out_spec)
             for unit, program in zip(self.units, programs):
-                if self.rewrite is not None:
-                    self.rewrite(program.module)
+                for rewrite in self.rewrites:
+                    rewrite(program.module)
                 unit.add_variant(training, program, outputs if unit is self.units[-1] else None)
             self.added[training] += 1
             return True

@@ -30,12 +30,16 @@ from typing import Any, NoReturn
 from partitioners.cut.balance import BY, balance, check_stages, uniform
 from partitioners.cut.report import calibrated_link
 from partitioners.cut.step import StepChoice, choose_by_step
-from partitioners.cli.loading import (UsageError, as_sequential, build_model, make_sample,
+from partitioners.cli.loading import (UsageError, build_model, cut_for_command, make_sample,
                                   parse_shapes)
 from partitioners.measure.sizes import parse_bytes
 from schedules import schedule_names
 
 PROG = "pipe-balance"
+
+
+# split_backward.SPLIT_MODES, written here so that --help and usage errors need no torch
+SPLIT_CHOICES = ("auto", "layers", "graph")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --fsdp: free gathered layers after each forward")
     parser.add_argument("--top", type=int, default=10,
                         help="with auto: how many of the best candidates to print (default: 10)")
+    parser.add_argument("--split-backward", choices=SPLIT_CHOICES, default="auto",
+                        help="how a zero-bubble schedule splits a backward into I and W, as "
+                             "Pipe(split_backward=...): auto (large Linear layers defer their "
+                             "weight gradients, the graph split elsewhere), layers or graph "
+                             "(default: auto)")
     parser.add_argument("--device", default="cpu", help="where to profile (default: cpu)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per layer (default: 1)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per layer (default: 3)")
@@ -125,12 +134,13 @@ def _run(args: argparse.Namespace) -> int:
 
     _set_threads(args.threads)  # imports torch: after the cheap checks, as it takes a while
     sample = make_sample(shapes, args.dtype)
-    model = as_sequential(build_model(args.factory), sample)
+    model = cut_for_command(build_model(args.factory), sample).units
     _usage(check_stages, len(model), args.stages)
     held = _usage(held_microbatches, args.schedule, args.stages, args.chunks)
     device = _device(args.device)
     costs = _usage(profile, model, sample, device=device, warmup=args.warmup, repeat=args.repeat,
-                   progress=False if args.no_progress else None)
+                   progress=False if args.no_progress else None,
+                   split_backward=args.split_backward)
     sizes = _usage(balance, costs, args.stages, by=args.by, memory_limit=memory_limit,
                    schedule=args.schedule, microbatches=args.chunks, bandwidth=bandwidth)
     link = calibrated_link(device)  # a hop measured here, in-process: a local copy
@@ -249,7 +259,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
                          "use --json and draw the candidates from it")
     _set_threads(args.threads)
     sample = make_sample(shapes, args.dtype)
-    model = as_sequential(build_model(args.factory), sample)
+    model = cut_for_command(build_model(args.factory), sample).units
     # The hop: --bandwidth as given, else a local copy measured here (what threads pay).
     hop = _usage(calibrated_link, args.device) if bandwidth is None else Link(0.0, bandwidth)
     chosen = _usage(
@@ -258,7 +268,7 @@ def _run_plan(args: argparse.Namespace, shapes: Any, memory_limit: float | None,
         microbatch_counts=None if args.chunks == "auto" else [args.chunks],
         schedules=None if args.schedule == "auto" else [args.schedule],
         warmup=args.warmup, repeat=args.repeat, data_parallel=data_parallel,
-        optimizer_factor=args.optimizer_factor)
+        optimizer_factor=args.optimizer_factor, split_backward=args.split_backward)
     print(f"{args.factory}: {len(model)} layers, batch {args.input_shape} {args.dtype}, "
           f"{args.stages} stages; schedule {args.schedule}, micro-batches {args.chunks}\n")
     print(candidates_table(chosen, args.top))

@@ -71,7 +71,7 @@ def load_factory(spec: str) -> Any:
 
 def build_model(spec: str) -> Any:
     """Call the factory named by ``spec`` and check that it returns an nn.Module (an
-    nn.Sequential: not empty; any other module is cut by ``as_sequential``).
+    nn.Sequential: not empty; any other module is cut by ``cut_for_command``).
 
     Raises:
         UsageError: the factory cannot be loaded, raises, calls ``sys.exit``, or
@@ -96,22 +96,18 @@ def build_model(spec: str) -> Any:
     return model
 
 
-def as_sequential(model: Any, sample: Any) -> Any:
-    """``model`` as the pipeline cuts it: an nn.Sequential as it is, any other module traced
-    with ``sample`` and cut into units (``units.cut_model``: the prologue, each block of its
-    main run of blocks, the epilogue).
+def cut_for_command(model: Any, sample: Any) -> Any:
+    """``model`` as the Pipe runs it (``partitioners.measure.model_cut.cut_of``): a
+    ``units.Cut`` whose ``units`` are profiled, priced and balanced.
 
     Raises:
         UsageError: the model cannot be traced with this sample; the message says why.
     """
-    from torch import nn
-
-    if isinstance(model, nn.Sequential):
-        return model
-    from units import TraceError, cut_model
+    from partitioners.measure.model_cut import cut_of
+    from units import TraceError
 
     try:
-        return cut_model(model, sample).sequential
+        return cut_of(model, sample)
     except TraceError as error:
         raise UsageError(str(error)) from None
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from split_backward import SplitMode
+from units import Cut
+
 from partitioners.cut.memory import DataParallelism
 from partitioners.plan.search import CHECKPOINTS, Plan, plan
 from partitioners.plan.costs import Hop
@@ -30,6 +33,7 @@ def plan_for_model(
     repeat: int = 3,
     prune: bool = True,
     data_parallel: DataParallelism | None = None,
+    split_backward: SplitMode = "auto",
 ) -> Plan:
     """Profile ``model`` at each micro-batch size the search needs, then ``plan``.
 
@@ -39,7 +43,8 @@ def plan_for_model(
     ``devices`` (the stages are assumed alike), and the costs go to ``plan``.
 
     Args:
-        model: the ``nn.Sequential`` to run.
+        model: the ``units.Cut`` to run (``partitioners.measure.model_cut.cut_of``), or
+            an ``nn.Sequential``.
         sample: one step's input batch (a tensor or tuple of tensors, rows on dim 0).
         target: the loss target for that batch, or None.
         loss_fn: ``loss_fn(output, target)``, or None.
@@ -50,6 +55,8 @@ def plan_for_model(
         devices: the stages' devices; profiling runs on the first (None: cpu).
         warmup, repeat: as for ``profile``.
         prune: as for ``plan`` (False: every candidate simulated, e.g. to draw them all).
+        split_backward: how a zero-bubble schedule splits a backward, as
+            ``Pipe(split_backward=...)``: the I and W that are priced are the ones it runs.
 
     Returns:
         The Plan; ``plan.pipe_options()`` are ``Pipe``'s keyword arguments for it.
@@ -70,10 +77,12 @@ def plan_for_model(
         raise ValueError(f"plan_for_model: batch={batch} rows, but the sample has {rows}; "
                          f"expected a sample of at least the batch's rows")
     device = "cpu" if not devices else devices[0]
+    layers = model.units if isinstance(model, Cut) else model
 
     def measured(size: int) -> Any:
-        return profile(model, sample, device=device, warmup=warmup, repeat=repeat,
-                       progress=False, microbatch_size=size, loss_fn=loss_fn, target=target)
+        return profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
+                       progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
+                       split_backward=split_backward)
 
     return plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
                 checkpoints, optimizer_factor=optimizer_factor,

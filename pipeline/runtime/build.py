@@ -9,7 +9,7 @@ data-parallel and tensor-parallel strategies of its stage).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from schedules import Schedule
 
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.group.distributed import Distributed, TensorParallel
+from pipeline.group.process_groups import rank_device
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.runtime.data_parallel import data_parallel_of
 from pipeline.runtime.dist_runner import DistRunner
@@ -31,6 +32,17 @@ class Processes(Protocol):
 
     @property
     def ranks(self) -> Ranks: ...
+
+    def implied_stages(self) -> dict[str, int]:
+        """The stage count the processes imply, by where it comes from (none in one process)."""
+
+    def devices(self, given: Sequence[Any] | None, stages: int) -> list[torch.device]:
+        """One device per stage in one process (``given``, or the default); with a group,
+        this rank's device alone.
+
+        Raises:
+            ValueError: devices given with a group (each rank picks its own).
+        """
 
     def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
@@ -45,6 +57,15 @@ class InOneProcess:
         self.timeout = timeout
         self.ranks: Ranks = OneProcess(timeout)
 
+    def implied_stages(self) -> dict[str, int]:
+        return {}
+
+    def devices(self, given: Sequence[Any] | None, stages: int) -> list[torch.device]:
+        if given is None:
+            return default_devices(stages)
+        return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+                for d in given]
+
     def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
         return LocalRunner(model, list(balance), schedule, list(devices), options, self.timeout)
@@ -58,6 +79,14 @@ class AcrossRanks:
         self.timeout = timeout
         self.ranks: Ranks = RankGroup(distributed.group, timeout)
 
+    def implied_stages(self) -> dict[str, int]:
+        return {"the group's size": self.ranks.size}
+
+    def devices(self, given: Sequence[Any] | None, stages: int) -> list[torch.device]:
+        if given is not None:
+            raise ValueError("with group=..., each rank picks its own device; pass devices=None")
+        return [rank_device(self.distributed.group)]
+
     def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
         distributed, device = self.distributed, devices[0]
@@ -66,6 +95,14 @@ class AcrossRanks:
         return DistRunner(model, list(balance), schedule, device, options, self.timeout,
                           distributed.group, distributed.init_fn, distributed.transport,
                           data_parallel, _tensor_parallel(distributed))
+
+
+def default_devices(stages: int) -> list[torch.device]:
+    """The CUDA devices round-robin when there are any, else the CPU for every stage."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", stage % count) for stage in range(stages)]
+    return [torch.device("cpu")] * stages
 
 
 def processes(distributed: Distributed | None, timeout: float) -> Processes:

@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from schedules import Event, Schedule, Timeline
 
 from pipeline.compute.activations import ActivationTracker, MemoryReport
-from pipeline.compute.dtensors import is_dtensor
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
 from pipeline.compute.tied_hooks import SharedGrads, chunk_users, refuse_hooks_across_ranks
@@ -36,6 +35,7 @@ from pipeline.runtime.runner import (
     step_of,
 )
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
+from pipeline.compute.dtensors import is_dtensor
 from pipeline.errors import PeerError
 from pipeline.transports import TransportName, make_transport
 from pipeline.transports.wire import call_stamp
@@ -159,20 +159,6 @@ class DistRunner:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         yield from unique(p for index in self.local_layers for p in self.model[index].parameters())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The local layers' state; sharded entries whole (every replica must call it)."""
-        return {
-            f"{index}.{name}": tensor.full_tensor() if is_dtensor(tensor) else tensor
-            for index in self.local_layers
-            for name, tensor in self.model[index].state_dict().items()
-        }
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        for index in self.local_layers:
-            prefix = f"{index}."
-            local = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            self.model[index].load_state_dict(local, strict=strict)
 
     def _fail(self, error: BaseException) -> None:
         origin = error.rank if isinstance(error, PeerError) and error.rank is not None \

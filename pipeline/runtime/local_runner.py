@@ -215,12 +215,6 @@ class LocalRunner:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        self.model.load_state_dict(state, strict=strict)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), max_norm, norm_type)
 

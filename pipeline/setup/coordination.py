@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from schedules.checkpointing import CHECKPOINT_MODES, check_mode
+from split_backward import SplitMode
+from units import Cut
+
 from pipeline.group.distributed import Distributed
 from pipeline.group.ranks import Ranks
 from pipeline.setup.options import check_positive
@@ -17,17 +20,19 @@ if TYPE_CHECKING:
     from schedules import Link
 
 
-def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
+def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: int,
                 samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
                 memory_limit: float | None, ranks: Ranks,
-                deciders: Ranks | None = None, data_parallel: Any = None) -> Any:
+                deciders: Ranks | None = None, data_parallel: Any = None,
+                split_backward: SplitMode = "auto") -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
     rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
     is (a batch, its target or None, the loss function or None): with both of the last
     two, the loss is profiled too. ``ranks`` (the pipeline) calibrate the hop between
     stages; ``deciders`` (default ``ranks``; in a mesh every rank of it, so that replicas
     and tensor-parallel ranks run one plan) take their first rank's plan;
-    ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas."""
+    ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas;
+    ``split_backward`` is the Pipe's, so that the I and W priced are those it runs."""
     sample, target, loss_fn = samples
     from partitioners import plan_for_model
 
@@ -49,14 +54,14 @@ def choose_plan(model: Any, chunks: Any, schedule: Any, checkpoint: Any, stages:
         first = sample[0] if isinstance(sample, list) else sample
         with_loss = target is not None and loss_fn is not None
         return plan_for_model(
-            model, first, target if with_loss else None, loss_fn if with_loss else None,
+            cut, first, target if with_loss else None, loss_fn if with_loss else None,
             stages=stages, memory_limit=memory_limit, devices=list(devices)[:1],
             hop=hop, action_overhead=action_overhead(devices[0]),
             microbatch_counts=None if chunks == "auto" else [check_positive("chunks", chunks)],
             schedules=None if schedule == "auto" else [schedule],
             checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
             else (check_mode(checkpoint),),
-            data_parallel=data_parallel,
+            data_parallel=data_parallel, split_backward=split_backward,
         )
 
     return (deciders or ranks).decide(make, "planning")

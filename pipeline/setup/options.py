@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,8 +14,6 @@ from partitioners import uniform
 from schedules import (Schedule, ScheduleError, get_schedule, normalize_name, parse_csv,
                        read_schedule, schedule_info, schedule_names, validate)
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 def check_model(model: Any) -> nn.Module:
@@ -33,57 +31,6 @@ def check_model(model: Any) -> nn.Module:
     if isinstance(model, nn.Sequential) and len(model) == 0:
         raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
     return model
-
-
-def check_deferred_norms(traced: Any, sequential: nn.Sequential, deferred: bool) -> None:
-    """Refuse ``deferred_batch_norm=True`` for a traced model holding BatchNorm layers: a
-    traced graph calls ``batch_norm`` itself, never the layer's forward, where the deferred
-    statistics are gathered (it would update them per micro-batch, silently).
-
-    Raises:
-        ValueError: such a model and option.
-    """
-    if traced is None or not deferred:
-        return
-    norms = [name for name, module in sequential.named_modules()
-             if isinstance(module, nn.modules.batchnorm._BatchNorm)]
-    if norms:
-        raise ValueError(
-            f"deferred_batch_norm=True updates BatchNorm statistics from the layers' own "
-            f"forward, which a traced model does not call ({len(norms)} BatchNorm layers, "
-            f"e.g. {norms[0].split('.', 1)[1]!r}); leave it off (each micro-batch counts "
-            f"once, as in the plain model run micro-batch by micro-batch), or give the Pipe "
-            f"an nn.Sequential of your blocks"
-        )
-
-
-def sequential_of(model: nn.Module, sample: Any, units: Any) -> tuple[nn.Sequential, Any]:
-    """What the pipeline runs: an nn.Sequential as it is, any other module traced with
-    ``sample`` and cut into units (``units.cut_model``); and the ``TracedModel`` or None.
-
-    Raises:
-        ValueError: ``units=`` for an nn.Sequential (its layers are the units), or a
-            model that cannot be traced (``units.TraceError``, a ValueError).
-    """
-    if isinstance(model, nn.Sequential):
-        if units is not None:
-            raise ValueError(
-                f"units= sets where a traced model's units begin; an nn.Sequential's layers "
-                f"are its units (got units={units!r}): leave it out, or group layers into "
-                f"nested Sequentials"
-            )
-        return model, None
-    from units import cut_model
-
-    if isinstance(units, str) or (units is not None and not all(
-            isinstance(name, str) for name in units)):
-        raise TypeError(f"units must be a list of module names, got {units!r}")
-    from split_backward.traced_linears import defer_traced_linears
-
-    first = sample[0] if isinstance(sample, list) else sample
-    # their Linear layers defer under a split, as modules do
-    traced = cut_model(model, first, units, rewrite=defer_traced_linears)
-    return traced.sequential, traced
 
 
 def check_positive(name: str, value: Any) -> int:
@@ -208,23 +155,16 @@ def check_balance(balance: Sequence[int], layers: int, parts: int) -> list[int]:
     return balance
 
 
-def default_devices(stages: int) -> list[torch.device]:
-    """The CUDA devices round-robin when there are any, else the CPU for every stage."""
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        return [torch.device("cuda", stage % count) for stage in range(stages)]
-    return [torch.device("cpu")] * stages
-
-
 def count_stages(
     schedule: ScheduleArgument,
     devices: Sequence[Any] | None,
     balance: Any,
     stages: int | None,
     per_stage: int,
-    group: ProcessGroup | None,
+    implied: dict[str, int],
 ) -> tuple[int, str]:
-    """The stage count every argument that implies one agrees on, and where it came from.
+    """The stage count every argument that implies one agrees on, and where it came from;
+    ``implied``: what the processes say (``Processes.implied_stages``: a group's size).
 
     Raises:
         ValueError: the arguments disagree, or nothing tells the count (and no GPU does).
@@ -234,10 +174,7 @@ def count_stages(
     if isinstance(schedule, Schedule):
         key = "schedule.stages" if isinstance(given, Schedule) else "the timetable's stages"
         candidates[key] = schedule.stages
-    if group is not None:
-        import torch.distributed as dist
-
-        candidates["the group's size"] = dist.get_world_size(group)
+    candidates.update(implied)
     if devices is not None:
         candidates["len(devices)"] = len(devices)
     if stages is not None:
@@ -262,22 +199,3 @@ def count_stages(
         raise ValueError(f"the stage count must agree everywhere, got {said}")
     source, count = next(iter(candidates.items()))
     return count, f"{count} stages from {source} x {per_stage} chunks per stage"
-
-
-def resolve_devices(devices: Sequence[Any] | None, stages: int, group: ProcessGroup | None
-                    ) -> list[torch.device]:
-    """One device per stage in one process; with a group, this rank's device alone.
-
-    Raises:
-        ValueError: devices given with a group (each rank picks its own).
-    """
-    if group is not None:
-        if devices is not None:
-            raise ValueError("with group=..., each rank picks its own device; pass devices=None")
-        from pipeline.group.process_groups import rank_device
-
-        return [rank_device(group)]
-    if devices is None:
-        return default_devices(stages)
-    return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
-            for d in devices]

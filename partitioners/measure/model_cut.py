@@ -1,0 +1,48 @@
+"""The one place a model becomes a ``units.Cut``: a Sequential as it is, anything else traced.
+
+``Pipe`` and ``pipe-balance`` both call ``cut_of``, so that what the command profiles and
+prices is what the Pipe runs: a traced unit's Linear products are pointed at the functions
+that defer their weight gradients inside a split backward (``split_backward.traced_linears``;
+outside one they are the same ATen calls), for the profile's I and W as for the runtime's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from split_backward.traced_linears import defer_traced_linears
+from units import Cut, cut_model
+
+
+def cut_of(model: nn.Module, sample: Any = None, units: Sequence[str] | None = None) -> Cut:
+    """``model`` as the pipeline runs it.
+
+    Args:
+        model: an ``nn.Sequential`` (its layers are the units) or any other module, traced
+            with ``sample`` and cut into units (``units.cut_model``).
+        sample: a batch as the model takes it (a list of micro-batches: the first);
+            needed for a model that is not a Sequential.
+        units: for a traced model, the module names where units begin.
+
+    Raises:
+        ValueError: ``units=`` for an nn.Sequential, or a model that cannot be traced
+            (``units.TraceError`` is a ValueError).
+        TypeError: ``units`` is not a list of module names.
+    """
+    if isinstance(model, nn.Sequential):
+        if units is not None:
+            raise ValueError(
+                f"units= sets where a traced model's units begin; an nn.Sequential's layers "
+                f"are its units (got units={units!r}): leave it out, or group layers into "
+                f"nested Sequentials"
+            )
+        return Cut.of_sequential(model)
+    if isinstance(units, str) or (units is not None and not all(
+            isinstance(name, str) for name in units)):
+        raise TypeError(f"units must be a list of module names, got {units!r}")
+    cut = cut_model(model, sample[0] if isinstance(sample, list) else sample, units)
+    cut.rewrite(defer_traced_linears)
+    return cut
