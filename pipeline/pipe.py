@@ -3,40 +3,36 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import weakref
-from dataclasses import dataclass, replace
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
+from partitioners.measure.model_cut import cut_of
 from schedules import Schedule, Timeline
-from schedules.checkpointing import CheckpointMode, check_mode
+from schedules.checkpointing import CheckpointMode
 from split_backward import SplitMode
 from split_backward import check_mode as check_split_mode
-from partitioners.measure.model_cut import cut_of
-from units import Cut, UnitInfo
+from units import Cut
 
-from pipeline.compute.activations import MemoryReport
 from pipeline.compute.chunk import ChunkOptions
 from pipeline.compute.loss import SummedLoss, loss_rule
-from pipeline.compute.own_loss import check_labels_on_last, own_loss_rule, own_loss_target
 from pipeline.compute.microbatch import merge, split, split_batch
+from pipeline.compute.own_loss import check_labels_on_last, own_loss_rule, own_loss_target
+from pipeline.compute.sample import split_sample
 from pipeline.errors import PeerError
 from pipeline.group.distributed import Distributed, layout_of
 from pipeline.group.ranks import RankGroup, Ranks
 from pipeline.model_like import ModelLike
+from pipeline.pipe_views import PipeViews
 from pipeline.runtime.build import processes
-from pipeline.runtime.freed_pages import keep_freed_pages
 from pipeline.runtime.one_call import OneCall
 from pipeline.runtime.runner import PendingTimeline, Runner
-from pipeline.setup.arguments import refuse_old_keywords, split_sample
 from pipeline.setup.balancing import resolve_balance
-from pipeline.setup.coordination import choose_plan, replicas_of
-from pipeline.setup.options import (build_schedule, check_model, check_positive,
-                                    chunks_per_stage, count_stages)
+from pipeline.setup.options import build_schedule, check_model
+from pipeline.setup.picking import Requested, pick
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -45,17 +41,7 @@ if TYPE_CHECKING:
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
 
-@dataclass(frozen=True)
-class Picked:
-    """What a Pipe runs, as given or as planned: the schedule, its options, the balance."""
-
-    schedule: str | Schedule
-    balance: Sequence[int] | str | None
-    options: dict[str, Any]
-    stages: int
-
-
-class Pipe(ModelLike):
+class Pipe(PipeViews, ModelLike):
     """Run ``model`` as a pipeline: its layers cut into stages, micro-batches in a schedule.
 
     In one process each stage is a thread on its own device. With ``group=`` (or
@@ -115,13 +101,8 @@ class Pipe(ModelLike):
         split_backward: how a zero-bubble schedule splits a backward into I and W:
             ``"auto"`` (weight gradients of large Linear layers deferred by the layers,
             the graph split elsewhere), ``"layers"`` or ``"graph"``.
-
-    Raises:
-        TypeError: a keyword an earlier Pipe took (``data_group=``, ``transport=``,
-            ``loss_count=``, ``memory_report=`` ...): the message names the new spelling.
     """
 
-    @refuse_old_keywords
     def __init__(
         self,
         model: nn.Module,
@@ -161,8 +142,12 @@ class Pipe(ModelLike):
         self._split_backward = check_split_mode(split_backward)
         self._one_call = OneCall()  # step, pipe(x), predict and close: one at a time
         self._measuring = 0  # measure_memory() blocks entered and not left
-        picked = self._pick(chunks, schedule, balance, checkpoint, devices, stages,
-                            schedule_options, (inputs, target, loss_fn), memory_limit)
+        picked = pick(Requested(chunks, schedule, balance, checkpoint, devices, stages,
+                                schedule_options, memory_limit),
+                      self._processes, self.cut, (inputs, target, loss_fn), self._deciders,
+                      settings, timeout, self._split_backward)
+        self._stage_source, self._devices, self._plan = picked.source, picked.devices, picked.plan
+        self.chunks, self.checkpoint = picked.chunks, picked.checkpoint
         self.loss_fn = loss_fn  # None with labels in a traced sample: the model's own loss
         self._loss_rule = loss_rule(loss_fn) or own_loss_rule(
             self.source_model, self.cut.takes_batch_as_written, inputs)
@@ -179,31 +164,6 @@ class Pipe(ModelLike):
             self._build_runner()
 
     # -- construction ---------------------------------------------------------------------
-
-    def _pick(self, chunks: Any, schedule: Any, balance: Any, checkpoint: Any, devices: Any,
-              stages: int | None, schedule_options: dict[str, Any] | None,
-              samples: tuple[Any, Any, Any], memory_limit: float | None) -> Picked:
-        """Stage count, devices, and the chunks, schedule, balance and checkpoint mode: as
-        given, or planned where ``chunks`` or ``schedule`` is ``"auto"``."""
-        options = dict(schedule_options or {})
-        planning = chunks == "auto" or schedule == "auto"
-        per_stage = 1 if planning else chunks_per_stage(schedule, options)
-        stage_count, self._stage_source = count_stages(schedule, devices, balance, stages,
-                                                       per_stage, self._processes.implied_stages())
-        self._devices = self._processes.devices(devices, stage_count)
-        self._plan: Any = None
-        if planning:
-            self._plan = choose_plan(self.cut, chunks, schedule, checkpoint, stage_count,
-                                     samples, self._devices, memory_limit, self._ranks,
-                                     self._deciders, replicas_of(self._distributed,
-                                                                 self._devices[0], self.timeout),
-                                     self._split_backward)
-            picked = self._plan.pipe_options()
-            chunks, schedule, balance = picked["chunks"], picked["schedule"], picked["balance"]
-            checkpoint, options = picked["checkpoint"], picked["schedule_options"]
-        self.chunks = check_positive("chunks", chunks)
-        self.checkpoint = check_mode("except_last" if checkpoint is None else checkpoint)
-        return Picked(schedule, balance, options, stage_count)
 
     def _forget_steps(self, runner: Runner | None) -> None:
         self._runner: Runner | None = runner
@@ -223,8 +183,6 @@ class Pipe(ModelLike):
 
     def _build_runner(self) -> Runner:
         assert self._balance is not None
-        if any(device.type == "cpu" for device in self._devices):
-            keep_freed_pages()
         self._recent.clear()
         self._pending = None
         runner = self._processes.build_runner(self.model, self._balance, self._schedule,
@@ -262,111 +220,6 @@ class Pipe(ModelLike):
                 raise ValueError("balance='time' needs a sample: pass sample=... or a batch")
             return self._build_runner()
         return self._runner
-
-    # -- what users read ------------------------------------------------------------------
-
-    @property
-    def distributed(self) -> Distributed | None:
-        """How this Pipe runs across processes (None: in one process)."""
-        return self._distributed
-
-    @property
-    def ranks(self) -> Ranks:
-        """The processes this Pipe runs on (``pipeline.group.ranks``): one, or a group's."""
-        return self._ranks
-
-    @property
-    def schedule(self) -> Schedule:
-        """The Schedule this Pipe runs."""
-        return self._schedule
-
-    @property
-    def plan(self) -> Any:
-        """The ``partitioners.Plan`` picked for ``"auto"`` (None when nothing was planned)."""
-        return self._plan
-
-    @property
-    def units(self) -> tuple[UnitInfo, ...]:
-        """The units the model is cut into (``units.UnitInfo``: index, name, the model's
-        modules and parameter names, and the chunk and stage that run it; ``pipe.balance``
-        counts them): a Sequential's layers, or a traced model's pieces."""
-        infos = self.cut.infos
-        if self._balance is None:
-            return infos
-        chunk_of = [c for c, count in enumerate(self._balance) for _ in range(count)]
-        return tuple(replace(info, chunk=chunk_of[info.index],
-                             stage=self._schedule.placement[chunk_of[info.index]])
-                     for info in infos)
-
-    @property
-    def balance(self) -> list[int] | None:
-        """Layers per model chunk (None until a 'time' balance has seen its first batch)."""
-        return None if self._balance is None else list(self._balance)
-
-    @property
-    def devices(self) -> list[torch.device]:
-        """One device per stage (one process), or this rank's device (with a group)."""
-        return list(self._devices)
-
-    @property
-    def stages(self) -> int:
-        return self._schedule.stages
-
-    @property
-    def timeline(self) -> Timeline | None:
-        """The measured Timeline of the last step (every rank's events on rank 0).
-
-        With a group it is gathered in the background after the step; reading it waits
-        for that gather (so does the next step).
-        """
-        self._settle_timeline()
-        return self._timeline
-
-    def _settle_timeline(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        timeline = pending.result()
-        self._timeline = timeline
-        if timeline is not None:
-            self._recent.append(timeline)
-
-    @contextlib.contextmanager
-    def measure_memory(self) -> Iterator[None]:
-        """Measure the activation memory each local stage holds in the steps run inside:
-        ``with pipe.measure_memory(): pipe.step(x, y)``, then ``pipe.memory``. Off
-        otherwise, since it hooks every tensor autograd saves. With a group, every rank
-        measures its own stage (enter it on every rank, or the ranks' steps differ only in
-        their cost)."""
-        self._measuring += 1  # nested blocks: measured until the outermost ends
-        self._set_measuring()
-        try:
-            yield
-        finally:
-            self._measuring -= 1
-            self._set_measuring()
-
-    def _set_measuring(self) -> None:
-        if self._runner is not None:
-            for tracker in self._runner.trackers:
-                tracker.measuring = self._measuring > 0
-
-    @property
-    def memory(self) -> tuple[MemoryReport, ...]:
-        """Per local stage, the activation memory it held at most during the last step run
-        inside ``measure_memory()``.
-
-        Raises:
-            ValueError: no step has run inside ``measure_memory()``.
-        """
-        memory = self._runner.memory if self._runner is not None else ()
-        if not memory:
-            raise ValueError(
-                "pipe.memory holds the activation memory of steps run inside "
-                "`with pipe.measure_memory():`, and no step has run inside one (it is measured "
-                "only when asked for: it hooks every tensor autograd saves)"
-            )
-        return memory
 
     # -- running --------------------------------------------------------------------------
 
