@@ -24,8 +24,9 @@ exact graph split (``split_backward.graph_split``), chosen per micro-batch:
 Which products can defer: those of an ``nn.Linear``, ``nn.MultiheadAttention`` or
 ``nn.Conv{1,2,3}d`` whose class keeps its own forward, without parametrizations,
 whose weight (and bias) is a leaf of plain ``Parameter`` type (not a DTensor, not
-set by a hook, not a slice), outside a ``torch.compile``d module and in a chunk
-without FSDP modules: everything else stays as it was.
+set by a hook, not a slice), outside a ``torch.compile``d module and in a chunk the
+runtime did not shard (``sharded``: FSDP's hooks expect weight gradients in the
+backward): everything else stays as it was.
 """
 
 from __future__ import annotations
@@ -61,11 +62,6 @@ def _plain_leaf(tensor: torch.Tensor | None) -> bool:
     return tensor is None or (type(tensor) is nn.Parameter and tensor.grad_fn is None)
 
 
-def _sharded(layers: nn.Module) -> bool:
-    return any(cls.__name__ == "FSDPModule" for module in layers.modules()
-               for cls in type(module).__mro__)
-
-
 def check_mode(mode: object) -> SplitMode:
     """``mode`` if it names a split, else a ValueError naming the choices."""
     if mode == "auto" or mode == "layers" or mode == "graph":
@@ -75,10 +71,16 @@ def check_mode(mode: object) -> SplitMode:
 
 
 class ChunkSplit:
-    """The split backward of one chunk's layers, chosen per micro-batch (see the module)."""
+    """The split backward of one chunk's layers, chosen per micro-batch (see the module).
 
-    def __init__(self, layers: nn.Module, mode: SplitMode = "auto") -> None:
+    ``sharded``: the runtime sharded the layers (FSDP2), so none defers its own weight
+    gradient and the graph split takes them all.
+    """
+
+    def __init__(self, layers: nn.Module, mode: SplitMode = "auto", sharded: bool = False
+                 ) -> None:
         self.mode = check_mode(mode)
+        self.sharded = sharded
         self.records = Records()  # what the deferred calls recorded in the running backward
         self._layers = layers
         self._installed = False
@@ -100,7 +102,7 @@ class ChunkSplit:
         if self._installed or self.mode == "graph":
             return
         self._installed = True
-        if _sharded(self._layers):
+        if self.sharded:
             return  # FSDP's hooks expect weight gradients in the backward: the graph split
         self._before = frozenset(id(m) for m in self._layers.modules() if switched(m))
         switch_on(self._layers)

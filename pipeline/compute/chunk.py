@@ -4,18 +4,20 @@ A chunk receives any pytree of tensors (see ``pipeline.payloads.tree``) and keep
 per micro-batch, what its backward needs. Three things keep it exact on real
 models:
 
-- inputs are fresh leaves, and the layers get copies of every input that a write
-  in place (an in-place ReLU first in a stage) could harm unseen, so the user's
-  ``x``, the sender's saved tensors and the input kept for recomputation stay
-  intact (``pipeline.compute.input_writes``: settled on every micro-batch);
-- every layer that draws random numbers does so under a seed of its own per
-  micro-batch (``pipeline.compute.recompute``), the same in the recomputation;
-  the layers without one (none drew in the first micro-batch) run under the
-  chunk's seed, so the recomputation repeats whatever they draw; generators the
-  layers own are put back for the recomputation (``forward_state``);
+- every run of its layers enters one context (``pipeline.compute.layer_run``): the
+  layers get copies of every input that a write in place could harm unseen, so the
+  user's ``x``, the sender's saved tensors and the input kept for recomputation stay
+  intact; and every layer that draws random numbers does so under a seed of its own
+  per micro-batch (``pipeline.compute.recompute``), the same in the recomputation,
+  the others under the chunk's seed;
+- a recomputation runs with the buffers and the layers' own generators as its
+  forward found them (``forward_state``);
 - a recomputation leaves BatchNorm's running statistics as they were
   (``pipeline.compute.batchnorm``), or none of the forwards touch them when the
   statistics are deferred to the end of the step.
+
+A chunk whose schedule never splits its backward runs a plain one: ``split_backward``
+is entered only once a step splits (or an I runs).
 """
 
 from __future__ import annotations
@@ -29,17 +31,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from schedules.checkpointing import CheckpointMode, recomputed
 from split_backward import ChunkSplit, SplitMode, WeightGradients, check_mode
-from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
-from pipeline.compute.recompute import chunk_seed, layer_seed, seeded
-from pipeline.errors import StageError
-from schedules.checkpointing import CheckpointMode, recomputes
+
 from pipeline.compute.activations import ActivationTracker
+from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
+from pipeline.compute.dtensors import holds_shards
 from pipeline.compute.forward_state import GeneratorStates, OwnGenerators, Snapshot, WrittenBuffers
-from pipeline.compute.input_writes import InputWrites, owned_copy
-from pipeline.compute.loss import LossFunctionError, call_loss, check_loss_value
-from pipeline.payloads.tree import Flat, detach, differentiable, flatten
+from pipeline.compute.layer_run import LayerRun, LayerRuns, owned_copy
+from pipeline.compute.loss import microbatch_loss
 from pipeline.compute.tied_hooks import SharedGrads
+from pipeline.errors import StageError
+from pipeline.payloads.tree import Flat, detach, flatten
 
 Grads = tuple[torch.Tensor | None, ...]
 
@@ -49,9 +52,11 @@ class _Stash:
     """What a micro-batch leaves behind between its forward and its backward."""
 
     inputs: Flat  # the chunk's inputs as fresh leaves (differentiable ones may require grad)
+    # per input leaf that can carry a gradient: the leaf if it requires one, else None
+    wanted: tuple[torch.Tensor | None, ...]
     target: Any = None
     weight: float = 1.0
-    outputs: Flat | None = None
+    outputs: tuple[torch.Tensor, ...] | None = None  # the differentiable ones: the roots
     loss: torch.Tensor | None = None
 
 
@@ -93,6 +98,9 @@ class ChunkRunner:
     ``forward`` keeps what ``backward`` (or ``backward_input`` then
     ``backward_weight``) needs, according to the checkpoint mode. The gradients
     returned are those with respect to the differentiable input leaves, in order.
+    ``sharded``: the runtime sharded the layers (FSDP2), whose hooks expect weight
+    gradients in the backward, so a split takes the graph split; None asks the layers
+    (until every runtime says).
     """
 
     def __init__(
@@ -104,6 +112,7 @@ class ChunkRunner:
         tracker: ActivationTracker | None,
         rng_lock: threading.Lock | None,
         grad_lock: SharedGrads | None = None,
+        sharded: bool | None = None,
     ) -> None:
         self.spec = spec
         self.layers = layers
@@ -117,16 +126,13 @@ class ChunkRunner:
         self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
         self._weights: dict[int, WeightGradients] = {}  # what each micro-batch's I left for W
-        self._split = ChunkSplit(layers, options.split_backward)
-        self._seed_base = 0
-        self._microbatches = 1
-        self._draws: list[bool | None] = [None] * len(layers)
-        self._quiet = False
-        self._surprised = False  # an unseeded layer drew: seed every layer from the next step
-        self._input_writes = InputWrites()
+        self._sharded = sharded
+        self._split: ChunkSplit | None = None  # made by the first step that splits, or an I
+        self._recomputed: tuple[bool, ...] = recomputed(options.checkpoint, 1)
         self._norms = running_norms(layers)
         self._written = WrittenBuffers(layers)
         self._generators = OwnGenerators(layers)
+        self._runs = LayerRuns(len(layers), device, spec.first_layer, self._generators)
         self._replays: dict[int, _Replay] = {}  # per recomputed micro-batch
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
@@ -142,19 +148,27 @@ class ChunkRunner:
         self._stash.clear()
         self._weights.clear()
         self._replays.clear()
-        self._split.begin_step()
+        if self._split is not None:
+            self._split.begin_step()
         if splits:
-            self._split.install()
-        self._seed_base = seed_base
-        self._microbatches = microbatches
-        self._draws = [True if self._surprised else None] * len(self.layers)
-        self._quiet = False  # no layer of the chunk draws random numbers (known this step)
+            self._splitting().install()
+        self._runs.begin_step(seed_base)
+        if len(self._recomputed) != microbatches:
+            self._recomputed = recomputed(self.options.checkpoint, microbatches)
         if self.deferred is not None:
             self.deferred.begin_step()
 
+    def _splitting(self) -> ChunkSplit:
+        """The chunk's split backward, made the first time a step needs it."""
+        if self._split is None:
+            sharded = holds_shards(self.layers) if self._sharded is None else self._sharded
+            self._split = ChunkSplit(self.layers, self.options.split_backward, sharded=sharded)
+        return self._split
+
     def close(self) -> None:
         """Undo what running this chunk did to its layers (their switched forwards)."""
-        self._split.uninstall()
+        if self._split is not None:
+            self._split.uninstall()
 
     def end_step(self) -> None:
         """Commit deferred BatchNorm statistics (after a successful step)."""
@@ -163,15 +177,25 @@ class ChunkRunner:
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _leaves(self, inputs: Any) -> Flat:
+    def _stashed(self, inputs: Any, target: Any, weight: float) -> _Stash:
+        """The stash of a forward: its inputs as fresh leaves (those that can carry a
+        gradient require one, except the caller's ``x`` unless it does)."""
         flat = flatten(inputs)
-        leaves = []
+        differentiable = {id(leaf) for leaf in flat.differentiable}
+        leaves: list[Any] = []
+        wanted: list[torch.Tensor | None] = []
         for leaf in flat.leaves:
             if isinstance(leaf, torch.Tensor):
-                wanted = differentiable(leaf) and (not self.spec.is_first or leaf.requires_grad)
-                leaf = leaf.detach().requires_grad_(wanted)  # fresh objects die with the stash
+                can = id(leaf) in differentiable
+                grad = can and (not self.spec.is_first or leaf.requires_grad)
+                leaf = leaf.detach().requires_grad_(grad)  # fresh objects die with the stash
+                if can:
+                    wanted.append(leaf if grad else None)
             leaves.append(leaf)
-        return Flat(tuple(leaves), flat.spec)
+        # No target (every chunk but the last): no pytree walk over None (see
+        # ``layer_run.seeded`` for what the two cuts bought a forward).
+        return _Stash(Flat(tuple(leaves), flat.spec), tuple(wanted),
+                      None if target is None else detach(target), weight)
 
     def _run_layers(self, microbatch: int, inputs: Flat, owned: bool = False) -> Any:
         """The layers' output for ``inputs`` (``owned``: the chunk's own copies, which the
@@ -179,42 +203,25 @@ class ChunkRunner:
         # With threads, the layers run holding their device's generator lock: no draw,
         # seeded or not, may take numbers meant for another stage's layer.
         with self.rng_lock if self.rng_lock is not None else nullcontext():
-            generators = self._generators.snapshot()
-            prepared = self._input_writes.prepare(inputs, owned)
-            try:
-                value = self._call_seeded(microbatch, prepared.value)
-            except StageError as error:
-                if not self._input_writes.refused(error.__cause__, prepared):
-                    raise
+            with self._runs.exact(microbatch, inputs, owned) as run:
+                value = self._call_layers(microbatch, run)
+            if run.refused:
                 # torch refused a write to an input before making it: run again on copies,
                 # the layers' generators as this forward found them.
-                self._generators.rewind(generators)
-                prepared = self._input_writes.prepare(inputs)
-                value = self._call_seeded(microbatch, prepared.value)
-            self._input_writes.check(prepared)
+                with self._runs.exact(microbatch, inputs) as run:
+                    value = self._call_layers(microbatch, run)
         return value
 
-    def _call_seeded(self, microbatch: int, value: Any) -> Any:
-        """The layers under the chunk's seed for ``microbatch``; notes whether one without
-        a seed of its own drew."""
-        watched = False in self._draws  # else every layer runs under its own seed
-        seed = chunk_seed(self._seed_base, self.spec.first_layer, microbatch)
-        with seeded(self.device, seed, watch=watched) as probe:
-            value = self._call_layers(microbatch, value)
-            if watched and probe.drew():
-                self._surprised = True
-        return value
-
-    def _call_layers(self, microbatch: int, value: Any) -> Any:
+    def _call_layers(self, microbatch: int, run: LayerRun) -> Any:
+        value = run.inputs
         offset = 0
         try:
-            if self._quiet:  # the common case: plain calls, nothing per layer
+            if run.quiet:  # the common case: plain calls, nothing per layer
                 for offset, layer in enumerate(self.layers):
                     value = layer(value)
             else:
                 for offset, layer in enumerate(self.layers):
-                    value = self._run_layer(microbatch, offset, layer, value)
-                self._quiet = not any(self._draws)
+                    value = run.layer(offset, layer, value)
         except Exception as error:
             name = type(self.layers[offset]).__name__
             raise StageError(
@@ -223,50 +230,33 @@ class ChunkRunner:
             ) from error
         return value
 
-    def _run_layer(self, microbatch: int, offset: int, layer: nn.Module, value: Any) -> Any:
-        draws = self._draws[offset]
-        if draws is False:
-            return layer(value)
-        seed = layer_seed(self._seed_base, self.spec.first_layer + offset, microbatch)
-        with seeded(self.device, seed, watch=draws is None) as probe:
-            value = layer(value)
-            if draws is None:
-                self._draws[offset] = probe.drew()
-        return value
-
     def _statistics(self, first: bool) -> Any:
         """BatchNorm handling for a forward: the first one updates (or records), a rerun not."""
         if self.deferred is not None:
             return self.deferred.recording(record=first)
         return nullcontext() if first else frozen_statistics(self._norms)
 
-    def _forward_with_graph(self, microbatch: int, stash: _Stash, first: bool) -> None:
+    def _forward_with_graph(self, microbatch: int, stash: _Stash, first: bool) -> Any:
+        """The layers' outputs, their graph kept for the backward (and the loss, last)."""
         key = (microbatch, self.spec.index)
         recording = self.tracker.recording(key) if self.tracker else nullcontext()
         if self.spec.is_first:
             # The caller's x (the stash holds views of it) must not be written: the layers get
             # copies, which replace the views in the stash.
             stash.inputs = owned_copy(stash.inputs)
-        with recording, self._statistics(first), self._split.forwarding(microbatch):
+        split = self._split
+        with recording, self._statistics(first), \
+                nullcontext() if split is None else split.forwarding(microbatch):
             outputs = self._run_layers(microbatch, stash.inputs, owned=self.spec.is_first)
-            stash.outputs = flatten(outputs)
             if self.spec.is_last:
                 stash.loss = self._loss(microbatch, outputs, stash)
+            else:
+                stash.outputs = flatten(outputs).differentiable
+        return outputs
 
     def _loss(self, microbatch: int, outputs: Any, stash: _Stash) -> torch.Tensor:
-        loss_fn = self.options.loss_fn
-        if loss_fn is None:
-            raise ValueError("step() needs a loss_fn: pass Pipe(..., loss_fn=nn.MSELoss()) or similar")
-        try:
-            loss = call_loss(loss_fn, outputs, stash.target, self.rng_lock)
-        except LossFunctionError:
-            raise  # the loss_fn's fault, not this stage's: it names the shapes and the fix
-        except Exception as error:
-            raise StageError(
-                f"stage {self.spec.stage}, loss_fn, micro-batch {microbatch}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        return check_loss_value(loss, microbatch, self.spec.stage) * stash.weight
+        return microbatch_loss(self.options.loss_fn, outputs, stash.target, stash.weight,
+                               self.rng_lock, microbatch, self.spec.stage)
 
     def forward(self, microbatch: int, inputs: Any, target: Any = None, weight: float = 1.0) -> Any:
         """Run the chunk's forward for one micro-batch of a training step.
@@ -274,12 +264,8 @@ class ChunkRunner:
         Returns the detached outputs to send on, or, for the last chunk, the
         detached loss multiplied by the micro-batch's ``weight``.
         """
-        # No target (every chunk but the last): no pytree walk over None (see ``seeded``
-        # for what the two cuts bought a forward).
-        stash = _Stash(inputs=self._leaves(inputs),
-                       target=None if target is None else detach(target), weight=weight)
-        self._stash[microbatch] = stash
-        recomputed = recomputes(self.options.checkpoint, microbatch, self._microbatches)
+        stash = self._stash[microbatch] = self._stashed(inputs, target, weight)
+        recomputed = self._recomputed[microbatch]
         if self.tracker is not None and (recomputed or not self.spec.is_first):
             # The stash keeps the inputs until the backward, whether or not a layer saves
             # them (a view a layer saves too is counted once); the first chunk's are the
@@ -287,12 +273,11 @@ class ChunkRunner:
             for tensor in stash.inputs.tensors:
                 self.tracker.track((microbatch, self.spec.index), tensor)
         if not recomputed:
-            self._forward_with_graph(microbatch, stash, first=True)
+            outputs = self._forward_with_graph(microbatch, stash, first=True)
             if self.spec.is_last:
                 assert stash.loss is not None
                 return stash.loss.detach()
-            assert stash.outputs is not None
-            return detach(stash.outputs.rebuild())
+            return detach(outputs)
         snapshot, marks = self._written.snapshot()
         generators = self._generators.snapshot()
         with torch.no_grad(), self._statistics(first=True):
@@ -321,19 +306,17 @@ class ChunkRunner:
             return [stash.loss], None
         assert stash.outputs is not None and grads is not None
         pairs = [
-            (t, g) for t, g in zip(stash.outputs.differentiable, grads)
+            (t, g) for t, g in zip(stash.outputs, grads)
             if t.requires_grad and g is not None
         ]
         return [t for t, _ in pairs], [g for _, g in pairs]
 
-    def _wanted_inputs(self, stash: _Stash) -> list[torch.Tensor]:
-        return [t for t in stash.inputs.differentiable if t.requires_grad]
-
-    def _input_grads(self, stash: _Stash, found: dict[int, torch.Tensor | None]) -> Grads:
+    @staticmethod
+    def _input_grads(stash: _Stash, found: dict[int, torch.Tensor | None]) -> Grads:
         """One entry per differentiable input leaf: its gradient (zeros if unused)."""
         grads: list[torch.Tensor | None] = []
-        for leaf in stash.inputs.differentiable:
-            if not leaf.requires_grad:
+        for leaf in stash.wanted:
+            if leaf is None:
                 grads.append(None)
                 continue
             grad = found.get(id(leaf))
@@ -354,11 +337,12 @@ class ChunkRunner:
         """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
-        wanted_inputs = self._wanted_inputs(stash)
+        wanted_inputs = [t for t in stash.wanted if t is not None]
         found: Grads = (None,) * len(wanted_inputs)
         if roots:
+            backward = _plain_backward if self._split is None else self._split.backward
             with self._accumulating(microbatch):
-                found = self._autograd(microbatch, "B", self._split.backward, roots, root_grads,
+                found = self._autograd(microbatch, "B", backward, roots, root_grads,
                                        wanted_inputs, microbatch)
         del self._stash[microbatch]
         return self._input_grads(stash, {id(t): g for t, g in zip(wanted_inputs, found)})
@@ -371,13 +355,13 @@ class ChunkRunner:
         """
         stash = self._ready_for_backward(microbatch)
         roots, root_grads = self._roots(stash, grads)
-        wanted_inputs = self._wanted_inputs(stash)
+        wanted_inputs = [t for t in stash.wanted if t is not None]
         found: tuple[torch.Tensor | None, ...] = (None,) * len(wanted_inputs)
         if roots:
             with (nullcontext() if self.grad_lock is None
                   else self.grad_lock.accumulating_in_input(microbatch)):
                 found, weights = self._autograd(
-                    microbatch, "I", self._split.backward_input, roots,
+                    microbatch, "I", self._splitting().backward_input, roots,
                     root_grads or [None] * len(roots), wanted_inputs, microbatch,
                 )
             self._weights[microbatch] = weights
@@ -420,3 +404,11 @@ class ChunkRunner:
                 stack.enter_context(self.deferred.recording(record=True))
             outputs = self._run_layers(microbatch, flat)
         return outputs
+
+
+def _plain_backward(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None,
+                    inputs: list[torch.Tensor], microbatch: int) -> Grads:
+    """A whole backward where nothing splits: weight gradients accumulate, and the
+    gradients of ``inputs`` (leaves) are their ``.grad``."""
+    torch.autograd.backward(roots, root_grads)
+    return tuple(t.grad for t in inputs)

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipeline.compute.microbatch import batch_size
+from pipeline.errors import StageError
 
 LossFn = Callable[..., Any]
 CountFn = Callable[[Any], Any]
@@ -251,20 +252,34 @@ class ModuleLoss:
         )
 
 
-def call_loss(loss_fn: LossFn, output: Any, target: Any,
-              rng_lock: threading.Lock | None = None) -> Any:
-    """``loss_fn(output, target)``; a ``ModuleLoss`` checks under ``rng_lock``.
+def microbatch_loss(loss_fn: LossFn | None, output: Any, target: Any, weight: float,
+                    rng_lock: threading.Lock | None, microbatch: int, stage: int) -> torch.Tensor:
+    """``loss_fn(output, target) * weight``, the last chunk's loss of one micro-batch; a
+    ``ModuleLoss`` checks under ``rng_lock``.
 
     ``rng_lock`` guards the generator the chunk's device shares with other stage threads
     (None with one stage per process): a check restores the RNG state it found, which must
     not undo another thread's draws meanwhile.
 
     Raises:
+        ValueError: no ``loss_fn``.
         LossFunctionError: see ``ModuleLoss.__call__``.
+        StageError: ``loss_fn`` raised (naming ``stage`` and ``microbatch``).
+        TypeError, ValueError: its result is no scalar tensor (``check_loss_value``).
     """
-    if isinstance(loss_fn, ModuleLoss):
-        return loss_fn(output, target, rng_lock)
-    return loss_fn(output, target)
+    if loss_fn is None:
+        raise ValueError("step() needs a loss_fn: pass Pipe(..., loss_fn=nn.MSELoss()) or similar")
+    try:
+        if isinstance(loss_fn, ModuleLoss):
+            loss = loss_fn(output, target, rng_lock)
+        else:
+            loss = loss_fn(output, target)
+    except LossFunctionError:
+        raise  # the loss_fn's fault, not this stage's: it names the shapes and the fix
+    except Exception as error:
+        raise StageError(f"stage {stage}, loss_fn, micro-batch {microbatch}: "
+                         f"{type(error).__name__}: {error}") from error
+    return check_loss_value(loss, microbatch, stage) * weight
 
 
 def _with_reduction(module: nn.modules.loss._Loss, reduction: str) -> nn.modules.loss._Loss:

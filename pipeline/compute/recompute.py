@@ -1,4 +1,4 @@
-"""The per-layer RNG streams that make recomputation exact (the modes: ``schedules.checkpointing``).
+"""The seeds that make recomputation exact: one per (layer, micro-batch) forward and step.
 
 Why it is built this way: a stage that recomputes a forward right before its
 backward must see the very same random numbers (dropout masks, stochastic
@@ -37,12 +37,12 @@ numbers stop depending on where the model was cut.
 With threads, stages on one device share its generator: a chunk's forward runs
 holding the device's lock, so no draw, seeded or not, takes numbers meant for
 another stage's layer (backwards, the larger part of a step, still overlap).
+
+A run under a seed, and the check whether it drew, are part of a layer run's guards
+(``pipeline.compute.layer_run``); this module says which numbers.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -60,47 +60,3 @@ def layer_seed(base: int, layer: int, microbatch: int) -> int:
 def chunk_seed(base: int, first_layer: int, microbatch: int) -> int:
     """The seed of one (chunk, micro-batch) forward, for the layers that run without theirs."""
     return layer_seed(base ^ 0x5EED_C4A0_0C4E_5EED, first_layer, microbatch)
-
-
-class Probe:
-    """Tells whether the body of a ``seeded`` block drew from the device's generator."""
-
-    def __init__(self, device: torch.device, watch: bool) -> None:
-        self.device = device
-        self._before = _generator_state(device) if watch else None
-
-    def drew(self) -> bool:
-        if self._before is None:
-            return True
-        return not torch.equal(self._before, _generator_state(self.device))
-
-
-def _generator_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-@contextmanager
-def seeded(device: torch.device, seed: int, watch: bool = False) -> Iterator[Probe]:
-    """Run the body under ``seed`` on ``device``'s generator, restoring it afterwards.
-
-    The caller holds the generator's lock, if it has one. With ``watch``, the yielded
-    Probe tells afterwards whether the body drew numbers.
-    """
-    if device.type == "cuda":
-        with torch.random.fork_rng(devices=[device]):
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-            yield Probe(device, watch)
-        return
-    # On the CPU, what fork_rng saves and restores there, without its accelerator and
-    # device-module lookups (with chunk.py's untouched None target: a forward 0.71-0.84 ->
-    # 0.65-0.77 ms of CPU after a 25 ms sleep, caches cold as between a pipeline's actions).
-    generator = torch.default_generator
-    state = generator.get_state()
-    generator.manual_seed(seed)
-    try:
-        yield Probe(device, watch)
-    finally:
-        generator.set_state(state)

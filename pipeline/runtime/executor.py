@@ -15,6 +15,7 @@ from schedules.dependencies import ActionKey, received
 
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.microbatch import to_device
+from pipeline.runtime.loss_carrier import LossCarrier
 from pipeline.transports.base import Payload, Transport
 
 
@@ -31,21 +32,22 @@ class StageSteps:
     steps: tuple[Action | Group, ...]
     sent: frozenset[ActionKey]  # results sent to another stage
     kept: frozenset[ActionKey]  # results consumed by a later chunk on this same stage
+    # per action of the stage: the result it starts from (``dependencies.received``)
+    sources: dict[ActionKey, ActionKey | None] = field(default_factory=dict, compare=False)
 
     @classmethod
     def of(cls, comm: CommPlan, stage: int) -> StageSteps:
         schedule = comm.schedule
-        kept = set()
-        for action in schedule.order[stage]:
-            source = received(schedule, action)
-            if source is not None and schedule.placement[source[2]] == stage:
-                kept.add(source)
+        sources = {_key(action): received(schedule, action) for action in schedule.order[stage]}
+        kept = {source for source in sources.values()
+                if source is not None and schedule.placement[source[2]] == stage}
         return cls(
             stage=stage,
             schedule=schedule,
             steps=comm.stages[stage],
             sent=frozenset(op.key for op in comm.sends(stage)),
             kept=frozenset(kept),
+            sources=sources,
         )
 
     @property
@@ -87,8 +89,8 @@ class StepInputs:
         1 / micro-batches (read only where the last chunk runs)."""
         microbatches = schedule.microbatches
         return cls(
-            None if inputs is None else [to_device(x, first) for x in inputs],
-            None if targets is None or last is None else [to_device(t, last) for t in targets],
+            None if inputs is None else to_device(list(inputs), first),
+            None if targets is None or last is None else to_device(list(targets), last),
             weights or [1.0 / microbatches] * microbatches,
         )
 
@@ -103,58 +105,6 @@ class StageResult:
     outputs: dict[int, Payload] = field(default_factory=dict)  # the last chunk's, when inferring
     input_grads: dict[int, tuple[torch.Tensor | None, ...]] = field(default_factory=dict)
     loss_known: torch.Tensor | None = None  # with ``carry_loss``: see ``LossCarrier``
-
-
-class LossCarrier:
-    """The batch loss, carried to every stage inside the backward messages.
-
-    Each backward message gets one more tensor, ``[count, sum]`` in float64: how many
-    micro-batches' losses its sender knows of, and their sum in the order the last chunk
-    computed them. A stage keeps the row with the larger count. Every stage ends a step
-    knowing the whole sum, with no collective: the micro-batch whose loss came last has its
-    backward run through every chunk after that loss, each chunk's rank learning the sum
-    before it sends on. The last stage's own row and every other stage's final row are then
-    the same tensor's value, so every rank returns the same loss, bit for bit.
-    """
-
-    __slots__ = ("device", "known", "count")
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        # Never written once made: a backward message carries it as it is (the transports
-        # copy it, a receiving carrier clones it), where a clone for each message and a
-        # torch.where on each arrival cost a backward hop 4 tensor ops (0.19 -> 0.12 ms of CPU,
-        # both ends, after a 25 ms sleep, caches cold as between a pipeline's actions).
-        self.known: torch.Tensor | None = None
-        self.count = 0.0  # known[0], as a number
-
-    def add(self, loss: torch.Tensor) -> None:
-        """A loss this stage computed (the last chunk's forward)."""
-        known = self.known
-        row = torch.zeros(2, dtype=torch.float64, device=self.device) if known is None \
-            else known.clone()
-        row[0] += 1
-        row[1] += loss.detach().to(row.device, torch.float64).reshape(())
-        self.known, self.count = row, self.count + 1
-
-    def attach(self, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``grads`` with what this stage knows of the loss, for a backward message."""
-        if self.known is None:
-            self.known = torch.zeros(2, dtype=torch.float64, device=self.device)
-        return (*grads, self.known)
-
-    def detach(self, payload: Any) -> Any:
-        """The gradients of a backward message; its loss row merged into what is known."""
-        *grads, row = payload
-        known = self.known
-        if row.device.type != "cpu":  # compared where it lies: reading it would sync
-            # A copy, not the row itself: that is a view of a pooled receive buffer.
-            self.known = row.clone() if known is None else torch.where(row[0] > known[0], row, known)
-            return tuple(grads)
-        count = row.tolist()[0]
-        if known is None or count > self.count:
-            self.known, self.count = row.clone(), count
-        return tuple(grads)
 
 
 Clock = Callable[[], float]
@@ -312,7 +262,7 @@ def _compile_group(group: Group) -> Operation:
 def _compile_forward(plan: StageSteps, action: Action, infer: bool, kept: frozenset[ActionKey]
                      ) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-    received_key = received(plan.schedule, action)
+    received_key = plan.sources[_key(action)]
     source = None if received_key is None else _fetcher(received_key, received_key in kept)
     deliver = _deliverer(plan, action)
 
@@ -349,10 +299,9 @@ def _compile_forward(plan: StageSteps, action: Action, infer: bool, kept: frozen
 
 def _compile_backward(plan: StageSteps, action: Action, kept: frozenset[ActionKey]) -> Operation:
     stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-    schedule = plan.schedule
     source = None
     from_peer = False
-    later = received(schedule, action)
+    later = plan.sources[_key(action)]
     if later is not None:  # else the loss is the root
         from_peer = later not in kept
         source = _fetcher(later, not from_peer)

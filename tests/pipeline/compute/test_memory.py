@@ -115,7 +115,7 @@ def test_never_with_one_microbatch_saves_exactly_the_activations(stages: int) ->
     from the second stage on the stage's input, which the runtime keeps until the backward
     whether a layer saves it or not (a ReLU first in a stage does not). A later stage's
     layers get its input as it is (torch refuses a write to it before making it, see
-    pipeline.compute.input_writes), so the input counts once; the first stage's run on a
+    pipeline.compute.layer_run), so the input counts once; the first stage's run on a
     copy of the caller's x, which counts where the first layer saves it, as x would."""
     model = build("mlp")
     x, target = batch("mlp", 16)

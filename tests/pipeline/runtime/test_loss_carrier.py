@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.runtime.executor import LossCarrier
+from pipeline.runtime.loss_carrier import LossCarrier
 
 CPU = torch.device("cpu")
 
