@@ -4,7 +4,7 @@ The public names, one list (``__all__``), each documented in ``docs/api.md``'s p
 section (``tests/test_public_face.py`` holds the two together).
 """
 
-from pipeline.checkpoints import (CheckpointError, load_checkpoint, load_into_model,
+from pipeline.saving.checkpoints import (CheckpointError, load_checkpoint, load_into_model,
                                   save_checkpoint, save_model_checkpoint)
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.loss import SummedLoss
@@ -14,7 +14,7 @@ from pipeline.group.distributed import Distributed
 from pipeline.group.process_groups import make_groups
 from pipeline.pipe import Pipe
 from pipeline.runtime.freed_pages import keep_freed_pages
-from pipeline.saving import gather_state_dict, save_state_dict
+from pipeline.saving.state_dict import gather_state_dict, save_state_dict
 
 __all__ = [
     "CheckpointError",

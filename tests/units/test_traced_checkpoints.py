@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline import Pipe, load_checkpoint, load_into_model, save_checkpoint
-from pipeline.checkpoints import save_model_checkpoint
+from pipeline.saving.checkpoints import save_model_checkpoint
 from traced_models import build, loss_options, reference
 
 

@@ -141,7 +141,7 @@ def corrupt_files(rank: int, world: int, directory: str) -> dict[str, Any]:
 def hostile_peer(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Rank 1 sends a plan holding an object whose unpickling creates a file, then write
     results naming a file outside the checkpoint: what each rank raised, and the file."""
-    import pipeline.checkpoints as checkpoints
+    import pipeline.saving.checkpoints as checkpoints
     from pipeline import Pipe, save_checkpoint
 
     torch.set_num_threads(1)
@@ -192,7 +192,7 @@ def bounded_waits(rank: int, world: int, directory: str, cases: tuple[str, ...]
     load while rank 1 is silent (both during one silence), or one while it stalls inside.
     Each case on a fresh group (a timed-out collective leaves its group unusable). Per case,
     what each rank raised and after how many seconds."""
-    import pipeline.checkpoints as checkpoints
+    import pipeline.saving.checkpoints as checkpoints
     from pipeline import Pipe, load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)

@@ -80,7 +80,7 @@ def _group_pipe(optimizer_name: str) -> tuple[Any, torch.optim.Optimizer]:
 
 def train_and_save(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Per optimizer: train on ``world`` ranks, save to ``directory/<optimizer>``; what was saved."""
-    from pipeline.checkpoints import save_checkpoint
+    from pipeline.saving.checkpoints import save_checkpoint
 
     torch.set_num_threads(1)
     saved: dict[str, Any] = {}
@@ -98,7 +98,7 @@ def train_and_save(rank: int, world: int, directory: str) -> dict[str, Any]:
 
 def resume_and_train(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Per optimizer: load on ``world`` ranks, train on; the step, RNG and parameters after."""
-    from pipeline.checkpoints import load_checkpoint
+    from pipeline.saving.checkpoints import load_checkpoint
 
     torch.set_num_threads(1)
     resumed: dict[str, Any] = {}

@@ -39,7 +39,7 @@ from checkpoint_workers import CHUNKS, named_parameters
 from dist_harness import in_turn, run_ranks
 from dist_workers import deep_mlp
 from pipeline import Pipe
-from pipeline.checkpoints import (
+from pipeline.saving.checkpoints import (
     MANIFEST_FILE,
     METADATA_FILE,
     CheckpointError,

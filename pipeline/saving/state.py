@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from pipeline.checkpointing.format import CheckpointError
+from pipeline.saving.format import CheckpointError
 
 STEP_KEY = "step"
 RNG_PREFIX = "rng.cpu.rank"

@@ -38,8 +38,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkpointing.format import DATA_FILE, CheckpointError
-from pipeline.checkpointing.manifest import MANIFEST_FILE, METADATA_FILE
+from pipeline.saving.format import DATA_FILE, CheckpointError
+from pipeline.saving.manifest import MANIFEST_FILE, METADATA_FILE
 
 INCOMPLETE_MARK = ".incomplete"  # inside a directory still being written
 OUR_FILES = frozenset({MANIFEST_FILE, METADATA_FILE, INCOMPLETE_MARK})

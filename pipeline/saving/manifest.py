@@ -1,6 +1,6 @@
 """The manifest of a checkpoint: its index and a digest of every file the save wrote.
 
-``.checkpoint.json`` holds DCP's index as checked plain data (``pipeline.checkpointing.format``),
+``.checkpoint.json`` holds DCP's index as checked plain data (``pipeline.saving.format``),
 the size and SHA-256 of every file the save wrote (``.metadata`` included), and a SHA-256
 of itself. Loading reads the manifest, never ``.metadata`` (DCP's pickle, kept so that
 DCP's own tools can read the directory), and checks each file against its digest before
@@ -10,7 +10,7 @@ Every file is read as a regular file of the directory, never through a symbolic 
 data file replaced by a link to a file elsewhere is refused, even with the very bytes that
 were saved) nor as a FIFO or device (whose read could wait forever). The real size of every
 file the manifest names is compared with the size it records, and every claimed extent
-with those sizes (``pipeline.checkpointing.bounds``), before a load allocates anything.
+with those sizes (``pipeline.saving.bounds``), before a load allocates anything.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from pipeline.checkpointing.bounds import check_extents
-from pipeline.checkpointing.format import (
+from pipeline.saving.bounds import check_extents
+from pipeline.saving.format import (
     CheckpointError,
     as_dict,
     as_int,

@@ -4,14 +4,14 @@
 collectives (pickles from peers) and read ``.metadata`` with ``pickle.load``. Their
 planners and file storage are public extension points, so this module runs the same
 steps for one rank: the caller carries the plans and write results between ranks as
-checked plain data (``pipeline.checkpointing.format``), under the Pipe's timeout, and hands
+checked plain data (``pipeline.saving.format``), under the Pipe's timeout, and hands
 the load the index it read from the manifest. Every rank computes the same global plan
 from the same gathered plans (DCP's planner is deterministic), so nothing is scattered.
 
 Bytes entries (an optimizer's hyperparameters) are read with ``torch.load(...,
 weights_only=True)``; DCP's default planner would read them with ``weights_only=False``.
 DCP's reader opens each data file as a regular file of the directory, never through a
-link (``pipeline.checkpointing.manifest.open_regular``): a file swapped for a link after it
+link (``pipeline.saving.manifest.open_regular``): a file swapped for a link after it
 was verified is refused too.
 """
 
@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from pipeline.checkpointing.format import CheckpointError
-from pipeline.checkpointing.manifest import open_regular
+from pipeline.saving.format import CheckpointError
+from pipeline.saving.manifest import open_regular
 
 
 class RankSave:

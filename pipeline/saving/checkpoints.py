@@ -16,22 +16,22 @@ own names, so that it loads into any cut of the same model: written by 2 ranks, 
   as a uint8 tensor. On loading, rank r takes rank r's state when the checkpoint has
   one, else rank 0's (ranks draw one step seed per step, so ranks seeded alike stay alike).
 - ``.checkpoint.json``: the index (DCP's metadata as checked JSON) and the size and
-  SHA-256 of every file written, ``.metadata`` included (``pipeline.checkpointing.manifest``).
+  SHA-256 of every file written, ``.metadata`` included (``pipeline.saving.manifest``).
 
 The trust model. Saving only reads (no optimizer step, gradients untouched:
-``pipeline.checkpointing.state``). Loading is strict and checks before it reads: the
+``pipeline.saving.state``). Loading is strict and checks before it reads: the
 manifest's own digest, then ``.metadata``'s and each data file's that this rank reads;
 missing or unexpected keys, shapes, the optimizer's kind, and the values of tied keys
 are errors naming them, on every rank. No byte of a checkpoint or of a peer is unpickled:
 ``.metadata`` (DCP's pickle, kept for DCP's own tools) is never read back, bytes entries
 are read with ``torch.load(weights_only=True)``, and DCP runs rank by rank with its plans
-and write results crossing as checked plain data (``pipeline.checkpointing.steps``), so that no
+and write results crossing as checked plain data (``pipeline.saving.steps``), so that no
 object collective runs and every wait is bounded by the Pipe's ``timeout`` (PeerError).
 torch's errors reach the caller as a ``CheckpointError`` (a ``ValueError``) whose message
 is their first line.
 
 Writes are atomic at the directory level and never delete what they did not write
-(``pipeline.checkpointing.target``): ``path`` must be absent, empty, or a checkpoint of
+(``pipeline.saving.target``): ``path`` must be absent, empty, or a checkpoint of
 ours, else the save is refused before a byte is written (a user's files, a file, a link,
 the current directory). The first rank locks ``path`` for the whole save (a second saver
 is refused); every rank writes into ``.<name>.partial`` beside ``path`` (marked by an
@@ -44,7 +44,7 @@ same file system.
 Loading reads only regular files of the directory (a file replaced by a symbolic link is
 refused; the directory itself may be reached through one), and checks every size and
 offset the manifest claims against the files' real sizes before it allocates anything
-(``pipeline.checkpointing.bounds``). Everything it raises is a ``CheckpointError``, but
+(``pipeline.saving.bounds``). Everything it raises is a ``CheckpointError``, but
 for a ``PeerError`` (a peer that did not answer).
 
 Not saved: learning-rate schedulers, gradient scalers, CUDA generators and data-loader
@@ -62,15 +62,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from pipeline.checkpointing.format import (
+from pipeline.saving.format import (
     CheckpointError,
     plan_from_plain,
     plan_plain,
     results_from_plain,
     results_plain,
 )
-from pipeline.checkpointing.steps import RankLoad, RankSave
-from pipeline.checkpointing.manifest import (
+from pipeline.saving.steps import RankLoad, RankSave
+from pipeline.saving.manifest import (
     MANIFEST_FILE,
     METADATA_FILE,
     digest,
@@ -79,7 +79,7 @@ from pipeline.checkpointing.manifest import (
     verify,
     write_manifest,
 )
-from pipeline.checkpointing.target import (
+from pipeline.saving.target import (
     INCOMPLETE_MARK,
     absolute,
     discard,
@@ -87,8 +87,8 @@ from pipeline.checkpointing.target import (
     staging_of,
     take,
 )
-from pipeline.checkpointing.target import publish as _publish
-from pipeline.checkpointing.state import (
+from pipeline.saving.target import publish as _publish
+from pipeline.saving.state import (
     Layout,
     Reading,
     apply,

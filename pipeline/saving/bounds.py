@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from pipeline.checkpointing.format import CheckpointError, fail
+from pipeline.saving.format import CheckpointError, fail
 
 _CORRUPT = "the manifest is corrupt or was modified"
 

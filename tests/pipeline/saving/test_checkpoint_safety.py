@@ -21,7 +21,7 @@ from torch import nn
 
 from dist_harness import outcome, run_ranks
 from pipeline import Pipe
-from pipeline.checkpoints import (
+from pipeline.saving.checkpoints import (
     INCOMPLETE_MARK,
     MANIFEST_FILE,
     METADATA_FILE,

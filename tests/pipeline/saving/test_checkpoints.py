@@ -36,7 +36,7 @@ from checkpoint_workers import (
 from dist_harness import in_turn, run_ranks
 from dist_workers import deep_mlp
 from pipeline import Pipe
-from pipeline.checkpoints import (
+from pipeline.saving.checkpoints import (
     INCOMPLETE_MARK,
     METADATA_FILE,
     CheckpointError,
@@ -182,7 +182,7 @@ def _staging(target: Path) -> Path:
 
 def test_a_save_interrupted_before_the_rename_leaves_the_previous_checkpoint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.checkpoints as checkpoints
+    import pipeline.saving.checkpoints as checkpoints
 
     target = tmp_path / "run"
     pipe, optimizer = _local_pipe()
@@ -216,7 +216,7 @@ _KILLED_SAVER = textwrap.dedent("""
     from torch import nn
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from pipeline import Pipe
-    from pipeline.checkpoints import save_checkpoint
+    from pipeline.saving.checkpoints import save_checkpoint
 
     def finish_slowly(self, metadata, results):  # .metadata is written here, last
         print("writing", flush=True)

@@ -46,7 +46,7 @@ def save_state_dict(state: dict[str, Any], path: str | os.PathLike[str]) -> Path
         CheckpointError: ``path`` names a directory (``"."`` included) or a place that
             cannot be written (the system's reason); nothing is left behind.
     """
-    from pipeline.checkpointing.format import CheckpointError
+    from pipeline.saving.format import CheckpointError
 
     target = Path(path)
     if target.name in ("", ".", "..") or target.is_dir():
