@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from split_backward import ChunkSplit, SplitMode, WeightGradients, check_mode
 from pipeline.compute.activations import ActivationTracker
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
 from pipeline.compute.dtensors import holds_shards
-from pipeline.compute.forward_state import GeneratorStates, OwnGenerators, Snapshot, WrittenBuffers
+from pipeline.compute.forward_state import ForwardState, Replay
 from pipeline.compute.layer_run import LayerRun, LayerRuns, owned_copy
 from pipeline.compute.loss import microbatch_loss
 from pipeline.compute.tied_hooks import SharedGrads
@@ -58,14 +58,6 @@ class _Stash:
     weight: float = 1.0
     outputs: tuple[torch.Tensor, ...] | None = None  # the differentiable ones: the roots
     loss: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class _Replay:
-    """What a recomputation puts back to see what its forward saw (besides the inputs)."""
-
-    buffers: Snapshot
-    generators: GeneratorStates | None  # the layers' own generators
 
 
 @dataclass(frozen=True)
@@ -130,10 +122,9 @@ class ChunkRunner:
         self._split: ChunkSplit | None = None  # made by the first step that splits, or an I
         self._recomputed: tuple[bool, ...] = recomputed(options.checkpoint, 1)
         self._norms = running_norms(layers)
-        self._written = WrittenBuffers(layers)
-        self._generators = OwnGenerators(layers)
-        self._runs = LayerRuns(len(layers), device, spec.first_layer, self._generators)
-        self._replays: dict[int, _Replay] = {}  # per recomputed micro-batch
+        self._state = ForwardState(layers)
+        self._runs = LayerRuns(len(layers), device, spec.first_layer, self._state.generators)
+        self._replays: dict[int, Replay] = {}  # per recomputed micro-batch
         self.deferred = DeferredStatistics(layers) if options.deferred_batch_norm else None
 
     @property
@@ -278,13 +269,12 @@ class ChunkRunner:
                 assert stash.loss is not None
                 return stash.loss.detach()
             return detach(outputs)
-        snapshot, marks = self._written.snapshot()
-        generators = self._generators.snapshot()
+        before = self._state.before()
         with torch.no_grad(), self._statistics(first=True):
             outputs = self._run_layers(microbatch, stash.inputs)
             if self.spec.is_last:
                 outputs = self._loss(microbatch, outputs, stash)
-        self._replays[microbatch] = _Replay(self._written.learn(snapshot, marks), generators)
+        self._replays[microbatch] = self._state.after(before)
         return detach(outputs)
 
     # -- backward ---------------------------------------------------------------------------
@@ -292,9 +282,7 @@ class ChunkRunner:
     def _ready_for_backward(self, microbatch: int) -> _Stash:
         stash = self._stash[microbatch]
         if stash.outputs is None and stash.loss is None:
-            replay = self._replays.pop(microbatch, None) or _Replay({}, None)
-            with self._written.replayed(replay.buffers), \
-                    self._generators.replayed(replay.generators):
+            with self._state.replayed(self._replays.pop(microbatch, None)):
                 self._forward_with_graph(microbatch, stash, first=False)
         return stash
 
@@ -399,11 +387,8 @@ class ChunkRunner:
     def infer(self, microbatch: int, inputs: Any) -> Any:
         """Forward for ``Pipe.__call__``: no stash, autograd graph kept if grad is enabled."""
         flat = flatten(inputs)
-        with ExitStack() as stack:
-            if self.deferred is not None:
-                stack.enter_context(self.deferred.recording(record=True))
-            outputs = self._run_layers(microbatch, flat)
-        return outputs
+        with nullcontext() if self.deferred is None else self.deferred.recording(record=True):
+            return self._run_layers(microbatch, flat)
 
 
 def _plain_backward(roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None,

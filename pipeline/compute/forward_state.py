@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,6 +118,49 @@ class OwnGenerators:
             yield
         finally:
             self.rewind(live)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a recomputation puts back to see what its forward saw (besides the inputs)."""
+
+    buffers: Snapshot
+    generators: GeneratorStates | None  # the layers' own generators
+
+
+@dataclass(frozen=True)
+class Before:
+    """The state as a forward that will be recomputed found it (``ForwardState.before``)."""
+
+    buffers: Snapshot
+    marks: dict[str, tuple[int, int]]
+    generators: GeneratorStates | None
+
+
+class ForwardState:
+    """What a chunk's forwards change, for its recomputations: buffers and own generators."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.buffers = WrittenBuffers(module)
+        self.generators = OwnGenerators(module)
+
+    def before(self) -> Before:
+        """Before the forward of a micro-batch that will be recomputed."""
+        buffers, marks = self.buffers.snapshot()
+        return Before(buffers, marks, self.generators.snapshot())
+
+    def after(self, before: Before) -> Replay:
+        """After that forward: what its recomputation puts back."""
+        return Replay(self.buffers.learn(before.buffers, before.marks), before.generators)
+
+    @contextmanager
+    def replayed(self, replay: Replay | None) -> Iterator[None]:
+        """Within the body, the state as ``replay``'s forward found it (none: as it is)."""
+        if replay is None:
+            yield
+            return
+        with self.buffers.replayed(replay.buffers), self.generators.replayed(replay.generators):
+            yield
 
 
 def _members(value: Any) -> tuple[Any, ...]:
