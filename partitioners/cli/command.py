@@ -325,7 +325,7 @@ def _options(
         "bandwidth": bandwidth, "chunks": args.chunks, "schedule": args.schedule,
         "device": args.device, "replicas": args.replicas, "fsdp": args.fsdp,
         "reshard_after_forward": args.reshard_after_forward,
-        "optimizer_factor": args.optimizer_factor,
+        "optimizer_factor": args.optimizer_factor, "split_backward": args.split_backward,
     }
 
 

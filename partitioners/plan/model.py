@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from split_backward import SplitMode
@@ -84,6 +85,7 @@ def plan_for_model(
                        progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
                        split_backward=split_backward)
 
-    return plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
-                checkpoints, optimizer_factor=optimizer_factor,
-                action_overhead=action_overhead, prune=prune, data_parallel=data_parallel)
+    found = plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
+                 checkpoints, optimizer_factor=optimizer_factor,
+                 action_overhead=action_overhead, prune=prune, data_parallel=data_parallel)
+    return replace(found, split_backward=split_backward)

@@ -61,6 +61,6 @@ def plan_data(chosen: Plan) -> dict[str, Any]:
     """The pick and every candidate, ranked, as JSON-ready data (``pick`` first)."""
     return {
         "pick": candidate_data(chosen),
-        "memory_limit": chosen.memory_limit,
+        "memory_limit": chosen.memory_limit, "split_backward": chosen.split_backward,
         "candidates": [candidate_data(candidate) for candidate in chosen.candidates],
     }

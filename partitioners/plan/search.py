@@ -123,10 +123,13 @@ class Plan(Candidate):
         candidates: each evaluated Candidate (the pick among them), ranked: those
             that fit by predicted step time, then peak memory; then those that do not.
         memory_limit: the limit planned for, bytes per stage, or None.
+        split_backward: how the I and W of zero-bubble candidates were measured (as
+            ``Pipe(split_backward=...)``); ``"auto"`` where nothing was measured.
     """
 
     candidates: tuple[Candidate, ...] = ()
     memory_limit: float | None = None
+    split_backward: str = "auto"
 
 
 def plan(

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 import torch
 
@@ -57,3 +62,33 @@ def test_auto_plans_a_traced_model_and_stays_exact() -> None:
         loss = pipe.step(batch, target)
     assert abs(loss.item() - expected_loss) < TOLERANCE
     assert _worst(model, expected) < TOLERANCE
+
+
+def _deferring_targets(cut: Any) -> set[str]:
+    return {getattr(node.target, "__name__", str(node.target)) for unit in cut.units
+            for graph in unit.graphs for node in graph.graph.nodes
+            if node.op == "call_function" and node.target.__module__.startswith("split_backward")}
+
+
+def test_the_command_and_the_pipe_cut_and_price_one_way(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipe-balance and Pipe take one cut (traced Linear products pointed at the deferring
+    functions in both), and the split mode asked for is the one the plan priced."""
+    from partitioners.cli.command import main
+    from partitioners.measure.model_cut import cut_of
+
+    model, batch, target = build("looped")
+    assert _deferring_targets(cut_of(model, batch)) == {"linear"}
+    with Pipe(model, chunks=2, schedule="auto", sample=Sample(batch, target),
+              devices=["cpu", "cpu"], split_backward="graph", **loss_options("looped")) as pipe:
+        assert _deferring_targets(pipe.cut) == {"linear"}
+        assert pipe.plan.split_backward == "graph"
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "partitioners" / "cli"))
+    monkeypatch.chdir(tmp_path)
+    status = main(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
+                   "--stages", "2", "--schedule", "auto", "--chunks", "2", "--threads", "1",
+                   "--repeat", "1", "--no-progress", "--split-backward", "graph",
+                   "--json", "o.json"])
+    assert status == 0
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert data["split_backward"] == data["options"]["split_backward"] == "graph"
