@@ -4,8 +4,6 @@ The public names, one list (``__all__``), each documented in ``docs/api.md``'s p
 section (``tests/test_public_face.py`` holds the two together).
 """
 
-from pipeline.saving.checkpoints import (CheckpointError, load_checkpoint, load_into_model,
-                                  save_checkpoint, save_model_checkpoint)
 from pipeline.compute.activations import MemoryReport
 from pipeline.compute.loss import SummedLoss
 from pipeline.compute.sample import Sample
@@ -14,6 +12,8 @@ from pipeline.group.distributed import Distributed
 from pipeline.group.process_groups import make_groups
 from pipeline.pipe import Pipe
 from pipeline.runtime.freed_pages import keep_freed_pages
+from pipeline.saving.checkpoints import (CheckpointError, load_checkpoint, load_into_model,
+                                         save_checkpoint, save_model_checkpoint)
 from pipeline.saving.state_dict import gather_state_dict, save_state_dict
 
 __all__ = [
