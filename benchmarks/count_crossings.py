@@ -20,7 +20,10 @@ B on both stages and their messages, without the step's fixed part). With ``--ve
 the file pairs of one micro-batch, most frequent first.
 
 Measured with the defaults (issue 40): 162 crossings in 14 files per micro-batch before
-a layer run's guards became one context and a plain B stopped entering ``split_backward/``.
+a layer run's guards became one context and a plain B stopped entering ``split_backward/``,
+104 in 10 after. Of those, 16 (``executor`` <-> ``schedules.dependencies`` and
+``schedules.comm_ops``) are each stage's steps compiled again every step, because
+``runtime.runner.Plans.stage`` makes a new ``StageSteps`` per call: kept once a stage, 88.
 """
 
 from __future__ import annotations
