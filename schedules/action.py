@@ -1,103 +1,27 @@
-"""The vocabulary of a pipeline timetable: operations, actions and schedules, and their text."""
+"""The vocabulary of a pipeline timetable: operations, actions and schedules, and their text.
+
+A schedule's order is stored compactly (``StageOrder``: three arrays per stage, op,
+micro-batch and chunk), not as an object per action: at 64 stages a timetable has 10^5 to
+10^6 actions, alive for the life of the process, and every full garbage collection would
+scan them (188 ms at P=64, M=1024 with ZB-V). ``order[stage]`` still reads as a sequence of
+``Action``; they are made when asked for.
+"""
 
 from __future__ import annotations
 
-import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
+from schedules.parse import check_numbered, read_rows
+from schedules.stage_order import StageOrder
+from schedules.vocabulary import (ACTION_TEXT, CODE_B, CODE_F, CODE_I, CODE_W, OP_CODES, OPS,
+                                  STAGE_LINE, Action, Op, ScheduleError, count, new_action)
 
-class ScheduleError(ValueError):
-    """A timetable that cannot run: an action missing, duplicated, misplaced or deadlocked."""
-
-
-class Op(Enum):
-    """What a stage does to one micro-batch of one model chunk."""
-
-    F = "F"  # forward
-    B = "B"  # full backward: input and weight gradients together
-    I = "I"  # noqa: E741  input-gradient half of a split backward (on the critical path)
-    W = "W"  # weight-gradient half of a split backward (deferrable)
-
-    # Members are singletons, so identity hashing is exact, and C-fast on hot paths.
-    __hash__ = object.__hash__
-
-
-# ASCII digits only: \d would take full-width and other scripts' digits too.
-_ACTION_TEXT = re.compile(r"^([FBIW])([0-9]+)(?:@c([0-9]+))?$")
-_STAGE_LINE = re.compile(r"^stage\s+([0-9]+)\s*:(.*)$")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One operation on one micro-batch of one model chunk.
-
-    Prints compactly, ``F3`` for chunk 0 and ``I3@c1`` otherwise, and
-    :meth:`parse` reads that text back.
-    """
-
-    op: Op
-    microbatch: int
-    chunk: int = 0
-
-    def __post_init__(self) -> None:
-        # Hot path (generators build 10^5 actions): exact types pass with three checks.
-        op, microbatch, chunk = self.op, self.microbatch, self.chunk
-        if op.__class__ is not Op:
-            raise TypeError(
-                f"Action op must be an Op member (Op.F, Op.B, Op.I or Op.W), got {op!r} "
-                f"({type(op).__name__}); for text use Action.parse('F3')"
-            )
-        if microbatch.__class__ is not int or microbatch < 0:
-            object.__setattr__(self, "microbatch", _index("microbatch", microbatch))
-        if chunk.__class__ is not int or chunk < 0:
-            object.__setattr__(self, "chunk", _index("chunk", chunk))
-
-    def __str__(self) -> str:
-        suffix = f"@c{self.chunk}" if self.chunk else ""
-        return f"{self.op.value}{self.microbatch}{suffix}"
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Read an action printed by ``str(action)``, e.g. ``"F3"`` or ``"W0@c2"``.
-
-        Raises:
-            ValueError: the text is not of that form.
-        """
-        match = _ACTION_TEXT.match(text.strip())
-        if match is None:
-            raise ValueError(f"expected an action like 'F3' or 'I3@c1', got {text!r}")
-        op, microbatch, chunk = match.groups()
-        return cls(Op(op), int(microbatch), int(chunk or 0))
-
-
-def _index(name: str, value: Any) -> int:
-    """``value`` as an int >= 0 (numpy integers welcome), or a TypeError/ValueError saying so."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"Action {name} must be an int >= 0, got {value!r} ({type(value).__name__})")
-    number = operator.index(value)
-    if number < 0:
-        raise ValueError(f"Action {name} must be an int >= 0, got {number}")
-    return number
-
-
-def _count(name: str, value: Any) -> int:
-    """A schedule's stage or micro-batch count: an int >= 1, or a TypeError/ValueError."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(
-            f"a schedule needs {name} as an int >= 1, got {value!r} ({type(value).__name__})"
-        )
-    number = operator.index(value)
-    if number < 1:
-        raise ValueError(f"a schedule needs {name} >= 1, got {name}={number}")
-    return number
+__all__ = ["ACTION_TEXT", "CODE_B", "CODE_F", "CODE_I", "CODE_W", "OPS", "OP_CODES",
+           "STAGE_LINE", "Action", "Op", "Schedule", "ScheduleError", "StageOrder",
+           "format_order", "new_action", "parse_order", "schedule_of_rows"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +31,8 @@ class Schedule:
     Attributes:
         stages: number of pipeline stages (devices or ranks).
         microbatches: number of micro-batches per step.
-        order: ``order[stage]`` is the tuple of actions that stage runs, in order.
+        order: ``order[stage]`` is the sequence of actions that stage runs, in order
+            (a ``StageOrder``; any sequences of actions are converted).
         placement: ``placement[chunk]`` is the stage that holds model chunk ``chunk``;
             by default chunk ``s`` lives on stage ``s`` (one chunk per stage).
         name: the generator's name, for titles and error messages.
@@ -123,18 +48,17 @@ class Schedule:
     forward_only: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", _count("stages", self.stages))
-        object.__setattr__(self, "microbatches", _count("microbatches", self.microbatches))
+        object.__setattr__(self, "stages", count("stages", self.stages))
+        object.__setattr__(self, "microbatches", count("microbatches", self.microbatches))
         if not isinstance(self.forward_only, bool):
             raise TypeError(f"forward_only must be a bool, got {self.forward_only!r}")
-        order = tuple(tuple(actions) for actions in self.order)
+        order = tuple(StageOrder.of(actions, stage) for stage, actions in enumerate(self.order))
         object.__setattr__(self, "order", order)
         if len(order) != self.stages:
             raise ValueError(
                 f"order must have one action list per stage: expected {self.stages}, "
                 f"got {len(order)}"
             )
-        _check_actions_are_actions(order)
         placement = tuple(self.placement) or tuple(range(self.stages))
         object.__setattr__(self, "placement", placement)
         bad = [stage for stage in placement if not 0 <= stage < self.stages]
@@ -145,6 +69,11 @@ class Schedule:
         missing = sorted(set(range(self.stages)) - set(placement))
         if missing:
             raise ValueError(f"placement leaves stage {missing[0]} without a model chunk")
+
+    @property
+    def orders(self) -> tuple[StageOrder, ...]:
+        """``order`` as the ``StageOrder`` arrays it is, for the linear passes."""
+        return cast(tuple[StageOrder, ...], self.order)
 
     @cached_property
     def chunks(self) -> int:
@@ -162,12 +91,13 @@ class Schedule:
     @cached_property
     def split_backward(self) -> frozenset[tuple[int, int]]:
         """The (microbatch, chunk) pairs whose backward is split into I and W."""
-        return frozenset(
-            (action.microbatch, action.chunk)
-            for actions in self.order
-            for action in actions
-            if action.op is Op.I
-        )
+        pairs = set()
+        for actions in self.orders:
+            at = actions.ops.find(CODE_I)
+            while at >= 0:
+                pairs.add((actions.microbatches[at], actions.chunks[at]))
+                at = actions.ops.find(CODE_I, at + 1)
+        return frozenset(pairs)
 
     def backward_op(self, microbatch: int, chunk: int) -> Op:
         """The op that produces the input gradient of (microbatch, chunk): ``I`` or ``B``."""
@@ -189,17 +119,6 @@ class Schedule:
         return parse_order(text, name)
 
 
-def _check_actions_are_actions(order: tuple[tuple[Any, ...], ...]) -> None:
-    for stage, actions in enumerate(order):
-        for index, action in enumerate(actions):
-            if not isinstance(action, Action):
-                raise TypeError(
-                    f"order[{stage}][{index}] must be an Action, got {action!r} "
-                    f"({type(action).__name__}); build one with Action(Op.F, 3) or "
-                    f"Action.parse('F3')"
-                )
-
-
 def format_order(
     schedule: Schedule, around: tuple[int, int] | None = None, width: int = 6, mark: bool = True
 ) -> str:
@@ -211,8 +130,8 @@ def format_order(
         width: how many neighbours to show either side of ``around``.
     """
     lines = []
-    for stage, actions in enumerate(schedule.order):
-        texts = [str(action) for action in actions]
+    for stage, actions in enumerate(schedule.orders):
+        texts = actions.texts()
         start = 0
         if around is not None:
             start = max(0, around[1] - width)
@@ -254,95 +173,8 @@ def parse_order(text: str, name: str = "custom") -> Schedule:
             what it holds; an index no action count of the text can reach; a gap in the
             micro-batches or chunks; a chunk on two stages.
     """
-    if not isinstance(text, str):
-        raise TypeError(f"a timetable is text, got {type(text).__name__}")
-    lines = [(f"line {number}", line) for number, raw in enumerate(text.splitlines(), start=1)
-             if (line := raw.split("#", 1)[0].strip())]
-    if not lines:
-        raise ScheduleError(
-            "expected a timetable, one line per stage such as 'stage 0: F0 F1 B0 B1', "
-            "got no stage lines"
-        )
-    tokens = [_stage_tokens(line, where, stage) for stage, (where, line) in enumerate(lines)]
-    count = sum(len(row) for row in tokens)
-    rows = [(where, _line_actions(row, f"{where} (stage {stage})", count))
-            for stage, ((where, _), row) in enumerate(zip(lines, tokens))]
-    named = next(((where, action) for (where, actions), row in zip(rows, tokens)
-                  for action, token in zip(actions, row) if "@" in token), None)
-    if named is None:  # no action names its chunk: stage s runs chunk s
-        return schedule_of_rows([
-            (where, [Action(action.op, action.microbatch, stage) for action in actions])
-            for stage, (where, actions) in enumerate(rows)
-        ], name)
-    note = (f"An action without '@c' is chunk 0 when any action names its chunk ({named[0]} "
-            f"names {named[1]}): name the chunk of every action on the other stages' lines, "
-            f"or name no chunk on any line (stage s then runs chunk s)")
+    rows, note = read_rows(text)
     return schedule_of_rows(rows, name, chunk_zero_note=note)
-
-
-def _stage_tokens(line: str, where: str, stage: int) -> list[str]:
-    """The action texts on the line of ``stage``, the line's form checked."""
-    if "..." in line or "[" in line:
-        raise ScheduleError(
-            f"{where}: {line!r} is a window of a timetable (as an error message shows one, "
-            f"with '...' and '[ ]'); give every action of the stage"
-        )
-    match = _STAGE_LINE.match(line)
-    if match is None:
-        raise ScheduleError(
-            f"{where}: expected 'stage {stage}: <actions>', e.g. 'stage {stage}: F0 B0', "
-            f"got {abbreviate(line)!r}"
-        )
-    given = match.group(1).lstrip("0") or "0"  # compared as text: no int of a long number
-    if given != str(stage):
-        raise ScheduleError(
-            f"{where}: expected stage {stage} next (one line per stage, in order from "
-            f"stage 0), got stage {abbreviate(given)}"
-        )
-    return match.group(2).split()
-
-
-def _line_actions(tokens: list[str], where: str, count: int) -> list[Action]:
-    """The actions a line's ``tokens`` write, indices within what ``count`` actions number."""
-    actions, position = [], 0
-    try:
-        for position, token in enumerate(tokens, start=1):
-            match = _ACTION_TEXT.match(token)
-            if match is None:
-                raise ScheduleError(f"expected an action like 'F3', 'B3', 'I3@c1' or 'W3@c1' "
-                                    f"(ASCII digits), got {abbreviate(token)!r}")
-            op, microbatch, chunk = match.groups()
-            actions.append(Action(Op(op), read_index(microbatch, "micro-batch", count),
-                                  read_index(chunk or "0", "chunk", count)))
-    except ScheduleError as error:  # the position is named here, not built for every action
-        raise ScheduleError(f"{where}, action {position}: {error}") from None
-    return actions
-
-
-def read_index(digits: str, kind: str, count: int) -> int:
-    """The index ASCII ``digits`` write, if ``count`` actions (the text's) can number it.
-
-    Micro-batches and chunks are numbered from 0 without gaps, each run by some action,
-    so every index is below the action count. A long number is refused by its length,
-    before ``int`` spends time quadratic in its digits on it.
-
-    Raises:
-        ScheduleError: an index ``count`` actions cannot reach.
-    """
-    if len(digits) <= 18 or len(digits.lstrip("0")) <= 18:  # int() in constant time
-        index = int(digits)
-        if index < count:
-            return index
-    raise ScheduleError(
-        f"{kind} {abbreviate(digits.lstrip('0') or '0')} is past what the text's {count} "
-        f"actions can number: expected a {kind} below {count} (they are numbered from 0 "
-        f"without gaps, each run by an action)"
-    )
-
-
-def abbreviate(text: str) -> str:
-    """``text`` for a message: its first 40 characters and its length when it is longer."""
-    return text if len(text) <= 48 else f"{text[:40]}...({len(text)} characters)"
 
 
 def schedule_of_rows(
@@ -380,8 +212,8 @@ def schedule_of_rows(
                     f"stage {first[0]} ({first[1]}); a model chunk lives on one stage{note}"
                 )
     count = sum(len(actions) for _, actions in rows)
-    _check_numbered("micro-batch", "micro-batches", microbatches, count)
-    _check_numbered("chunk", "chunks", {chunk: where for chunk, (_, where) in owner.items()},
+    check_numbered("micro-batch", "micro-batches", microbatches, count)
+    check_numbered("chunk", "chunks", {chunk: where for chunk, (_, where) in owner.items()},
                     count)
     order = tuple(tuple(actions) for _, actions in rows)
     return Schedule(
@@ -392,16 +224,3 @@ def schedule_of_rows(
         name=name,
         forward_only=all(action.op is Op.F for actions in order for action in actions),
     )
-
-
-def _check_numbered(kind: str, plural: str, seen: dict[int, str], count: int) -> None:
-    """Refuse a gap among the indices ``seen`` (index -> where it appears), in O(len(seen)):
-    with a gap, the largest is past ``len(seen) - 1``."""
-    largest = max(seen)
-    if largest >= len(seen):
-        missing = next(index for index in range(len(seen)) if index not in seen)
-        raise ScheduleError(
-            f"{seen[largest]}: expected {plural} 0..{len(seen) - 1} ({len(seen)} distinct "
-            f"ones appear in {count} actions), got {kind} {largest}: {kind} {missing} appears "
-            f"nowhere; {plural} are numbered from 0 without gaps"
-        )

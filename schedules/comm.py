@@ -72,6 +72,7 @@ Megatron fusion above.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,9 +80,12 @@ from typing import Literal, Union
 
 from schedules._speed import gc_paused
 from schedules.action import Action, Schedule
-from schedules.comm_ops import CommOp, Group, Message
+from schedules.comm_messages import Messages, find_messages
+from schedules.comm_ops import CommOp, Group
 from schedules.comm_rendezvous import Rendezvous, default_durations
-from schedules.dependencies import ActionKey, dependency_keys
+from schedules.flat import flatten
+from schedules.plan_steps import (ACTION_STEP, GROUP_STEP, RECEIVE, SEND, OpArrays,
+                                  PlanSteps)
 from schedules.validate import feasible_order, validate
 
 Strategy = Literal["overlap", "ordered", "paired", "naive"]
@@ -109,7 +113,9 @@ class CommPlan:
     strategy: str = "custom"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(tuple(steps) for steps in self.stages))
+        # Arrays where they can hold the steps (always, for comm_plan's): see plan_steps.
+        object.__setattr__(self, "stages", tuple(
+            PlanSteps.of(steps) or tuple(steps) for steps in self.stages))
         if len(self.stages) != self.schedule.stages:
             raise ValueError(
                 f"a comm plan needs one step list per stage: expected "
@@ -199,102 +205,72 @@ def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of: {', '.join(STRATEGIES)}")
     validate(schedule)
     with gc_paused():
-        messages = _messages(schedule)
+        messages = find_messages(schedule, flatten(schedule))
         if strategy == "overlap":
             stages = _overlap(schedule, messages)
         elif strategy == "ordered":
             stages = _ordered(schedule, messages)
         else:
             stages = _local(schedule, messages, paired=strategy == "paired")
-    return CommPlan(schedule, tuple(tuple(steps) for steps in stages), strategy)
+    return CommPlan(schedule, tuple(stages), strategy)
 
 
-def _messages(schedule: Schedule) -> list[Message]:
-    """One message per (producer, destination stage), by the rule of ``dependency_keys``."""
-    where: dict[ActionKey, tuple[int, int]] = {}
-    for stage, actions in enumerate(schedule.order):
-        for index, action in enumerate(actions):
-            where[(action.op, action.microbatch, action.chunk)] = (stage, index)
-    placement, order = schedule.placement, schedule.order
-    seen: set[tuple[ActionKey, int]] = set()
-    messages = []
-    for stage, actions in enumerate(order):
-        for index, action in enumerate(actions):
-            for key in dependency_keys(schedule, action.op, action.microbatch, action.chunk):
-                if placement[key[2]] != stage and (key, stage) not in seen:
-                    seen.add((key, stage))  # the first consumer comes first
-                    source, at = where[key]
-                    messages.append(Message(order[source][at], source, at, stage, index))
-    return messages
+def _plan(schedule: Schedule, stage: int, gaps: dict[int, list[tuple[int, int]]],
+          messages: Messages, channel: int | None = None, together: bool = True) -> PlanSteps:
+    """``stage``'s steps: before action ``i``, the ops of gap ``i`` (one group, or one group
+    per op unless ``together``); after the last action, the last gap's."""
+    order = schedule.orders[stage]
+    kinds, ends, ops = bytearray(), array("q"), OpArrays()
+    for index in range(len(order) + 1):
+        moved = gaps.get(index)
+        if moved:
+            for message, kind in moved:
+                messages.add_op(ops, message, kind, channel)
+                if not together:
+                    kinds.append(GROUP_STEP)
+                    ends.append(len(ops.kinds))
+            if together:
+                kinds.append(GROUP_STEP)
+                ends.append(len(ops.kinds))
+        if index < len(order):
+            kinds.append(ACTION_STEP)
+    return PlanSteps(bytes(kinds), order, ends, ops)
 
 
-def _outgoing(schedule: Schedule, messages: list[Message]) -> list[list[list[Message]]]:
-    """``out[stage][index]``: the messages the action at that place produces."""
-    out: list[list[list[Message]]] = [[[] for _ in actions] for actions in schedule.order]
-    for message in messages:
-        out[message.source][message.produced_at].append(message)
-    return out
+def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:
+    """``"naive"`` and ``"paired"``: each op placed by its own stage alone: a receive just
+    before its consumer, a send just after its producer (``"paired"``: both in one group)."""
+    plans = []
+    for stage, order in enumerate(schedule.orders):
+        gaps: dict[int, list[tuple[int, int]]] = {}
+        sends, receives = messages.out[stage], messages.needs[stage]
+        for index in range(len(order)):
+            if sends[index] >= 0:
+                gaps.setdefault(index + 1, []).append((sends[index], SEND))
+            if receives[index] >= 0:
+                gaps.setdefault(index, []).append((receives[index], RECEIVE))
+        plans.append(_plan(schedule, stage, gaps, messages, None if paired else 0,
+                           together=paired))
+    return plans
 
 
-def _incoming(schedule: Schedule, messages: list[Message]) -> list[list[list[Message]]]:
-    """``needs[stage][index]``: the messages the action at that place needs first."""
-    needs: list[list[list[Message]]] = [[[] for _ in actions] for actions in schedule.order]
-    for message in messages:
-        needs[message.destination][message.consumer_index].append(message)
-    return needs
-
-
-def _local(schedule: Schedule, messages: list[Message], paired: bool) -> list[list[Step]]:
-    """``"naive"`` and ``"paired"``: each op placed by its own stage alone."""
-    sends, receives = _outgoing(schedule, messages), _incoming(schedule, messages)
-    channel = None if paired else 0
-    stages: list[list[Step]] = []
-    for stage, actions in enumerate(schedule.order):
-        steps: list[Step] = []
-        outgoing: list[CommOp] = []
-        for index, action in enumerate(actions):
-            incoming = [m.op("recv", channel) for m in receives[stage][index]]
-            steps.extend(_grouped(outgoing + incoming, together=paired))
-            steps.append(action)
-            outgoing = [m.op("send", channel) for m in sends[stage][index]]
-        steps.extend(_grouped(outgoing, together=paired))
-        stages.append(steps)
-    return stages
-
-
-def _grouped(ops: list[CommOp], together: bool) -> list[Group]:
-    if together:
-        return [Group(tuple(ops))] if ops else []
-    return [Group((op,)) for op in ops]
-
-
-def _ordered(schedule: Schedule, messages: list[Message]) -> list[list[Step]]:
+def _ordered(schedule: Schedule, messages: Messages) -> list[PlanSteps]:
     """``"ordered"``: both ends post each message right after its producer in the replay order."""
-    sends = _outgoing(schedule, messages)
-    stages: list[list[Step]] = [[] for _ in range(schedule.stages)]
+    gaps: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(schedule.stages)]
     done = [0] * schedule.stages
-    for stage, action, _ in feasible_order(schedule):
-        stages[stage].append(action)
-        for message in sends[stage][done[stage]]:
-            stages[message.source].append(Group((message.op("send"),)))
-            stages[message.destination].append(Group((message.op("recv"),)))
+    for stage in feasible_order(schedule):
         done[stage] += 1
-    return stages
+        message = messages.out[stage][done[stage] - 1]
+        if message >= 0:
+            destination = messages.destination[message]
+            gaps[stage].setdefault(done[stage], []).append((message, SEND))
+            gaps[destination].setdefault(done[destination], []).append((message, RECEIVE))
+    return [_plan(schedule, stage, gaps[stage], messages, together=False)
+            for stage in range(schedule.stages)]
 
 
-def _overlap(schedule: Schedule, messages: list[Message]) -> list[list[Step]]:
+def _overlap(schedule: Schedule, messages: Messages) -> list[PlanSteps]:
     """``"overlap"``: the rendezvous simulation of the module docstring, one group per gap."""
-    gaps = Rendezvous(schedule.order, default_durations(schedule),
-                      _outgoing(schedule, messages), _incoming(schedule, messages)).run()
-    stages: list[list[Step]] = []
-    for stage, actions in enumerate(schedule.order):
-        steps: list[Step] = []
-        for index, action in enumerate(actions):
-            ops = gaps[stage].get(index)
-            if ops:
-                steps.append(Group(tuple(ops)))
-            steps.append(action)
-        if gaps[stage].get(len(actions)):
-            steps.append(Group(tuple(gaps[stage][len(actions)])))
-        stages.append(steps)
-    return stages
+    gaps = Rendezvous([len(order) for order in schedule.order], default_durations(schedule),
+                      messages).run()
+    return [_plan(schedule, stage, gaps[stage], messages) for stage in range(schedule.stages)]

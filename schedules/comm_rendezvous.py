@@ -3,28 +3,29 @@
 Stages run their actions with costs, and a message moves only while both of its stages
 wait between actions (in a gap), as under NCCL's rules; the ops that moved in each gap
 become that gap's group. Why that cannot deadlock is in ``schedules.comm``'s docstring.
+Messages are numbers (``schedules.comm_messages``); nothing here is an object per action.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
-from schedules.action import Action, Op, Schedule
+from schedules.action import Schedule
+from schedules.comm_messages import Messages
+from schedules.plan_steps import RECEIVE, SEND
 
-if TYPE_CHECKING:
-    from schedules.comm_ops import CommOp, Message
+_UNIT = (1.0, 2.0, 1.0, 1.0)  # simulate's default cost of F, B, I, W (by op code)
 
 
 def default_durations(schedule: Schedule) -> list[list[float]]:
     """Per stage and action, ``simulate``'s default cost: F 1, B 2, I and W 1 each, a stage's
     share split evenly between its chunks."""
-    unit = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
-    return [
-        [unit[action.op] / len(chunks) for action in actions]
-        for actions, chunks in zip(schedule.order, schedule.chunks_of_stage)
-    ]
+    durations = []
+    for order, chunks in zip(schedule.orders, schedule.chunks_of_stage):
+        share = [unit / len(chunks) for unit in _UNIT]
+        durations.append([share[code] for code in order.ops])
+    return durations
 
 
 class Rendezvous:
@@ -33,27 +34,28 @@ class Rendezvous:
 
     ``position[s]`` is the gap stage s is in, or, while it computes, the gap it will
     reach next (just after the action it runs). ``run`` returns, per stage and gap,
-    the ops that moved there, in the order they moved.
+    the ops that moved there, in the order they moved, as ``(message, SEND or RECEIVE)``.
     """
 
-    def __init__(self, order: tuple[tuple[Action, ...], ...], durations: list[list[float]],
-                 out: list[list[list[Message]]], needs: list[list[list[Message]]]) -> None:
-        stages = len(order)
-        self.order = order
+    def __init__(self, lengths: list[int], durations: list[list[float]],
+                 messages: Messages) -> None:
+        stages = len(lengths)
+        self.lengths = lengths
         self.durations = durations
-        self.out = out  # per stage and action, the messages it produces
-        self.needs = needs  # per stage and action, the messages it needs first
+        self.messages = messages
+        self.moved = bytearray(len(messages.producer))
         self.position = [0] * stages
         self.in_gap = [False] * stages
         self.done = [False] * stages
         self.busy_until = [0.0] * stages
-        self.pending: list[dict[int, list[Message]]] = [defaultdict(list) for _ in range(stages)]
+        self.pending: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(stages)]
         self.senders: list[set[int]] = [set() for _ in range(stages)]
-        self.gaps: list[dict[int, list[CommOp]]] = [defaultdict(list) for _ in range(stages)]
+        self.gaps: list[dict[int, list[tuple[int, int]]]] = [
+            defaultdict(list) for _ in range(stages)]
         self.heap = [(0.0, stage, stage) for stage in range(stages)]
         self.tick = stages
 
-    def run(self) -> list[dict[int, list[CommOp]]]:
+    def run(self) -> list[dict[int, list[tuple[int, int]]]]:
         heap, in_gap = self.heap, self.in_gap
         while heap:
             now = heap[0][0]
@@ -78,14 +80,16 @@ class Rendezvous:
     def _arrive(self, stage: int) -> None:
         position = self.position[stage]
         if position > 0:
-            for message in self.out[stage][position - 1]:
-                self.pending[stage][message.destination].append(message)
-                self.senders[message.destination].add(stage)
+            message = self.messages.out[stage][position - 1]
+            if message >= 0:
+                destination = self.messages.destination[message]
+                self.pending[stage][destination].append(message)
+                self.senders[destination].add(stage)
         self.in_gap[stage] = True
 
     def _deliver(self, stage: int, touched: set[int]) -> None:
         """Move every message between ``stage`` and peers also in a gap; add them to touched."""
-        for destination, messages in list(self.pending[stage].items()):
+        for destination in list(self.pending[stage]):
             if self.in_gap[destination]:
                 self._move(stage, destination)
                 touched.add(destination)
@@ -99,25 +103,26 @@ class Rendezvous:
         sends = self.gaps[source][self.position[source]]
         receives = self.gaps[destination][self.position[destination]]
         for message in messages:
-            sends.append(message.op("send"))
-            receives.append(message.op("recv"))
-            message.moved = True
+            sends.append((message, SEND))
+            receives.append((message, RECEIVE))
+            self.moved[message] = 1
         self.senders[destination].discard(source)
 
     def _try_leave(self, stage: int, now: float) -> None:
         position, pending = self.position[stage], self.pending[stage]
-        if position == len(self.order[stage]):
+        if position == self.lengths[stage]:
             if not pending:
                 self.done[stage], self.in_gap[stage] = True, False
             return
-        for message in self.needs[stage][position]:
-            if not message.moved:
-                return
+        needed = self.messages.needs[stage][position]
+        if needed >= 0 and not self.moved[needed]:
+            return
         end = now + self.durations[stage][position]
+        consumer_index = self.messages.consumer_index
         for destination, messages in pending.items():
             # Wait for a receiver that needs this next and arrives before we would be back.
             if self.busy_until[destination] < end and any(
-                message.consumer_index == self.position[destination] for message in messages
+                consumer_index[message] == self.position[destination] for message in messages
             ):
                 return
         self.in_gap[stage] = False
@@ -125,3 +130,4 @@ class Rendezvous:
         self.busy_until[stage] = end
         heapq.heappush(self.heap, (end, self.tick, stage))
         self.tick += 1
+

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
-from schedules.action import Action, Op, Schedule
+from schedules.action import CODE_F, OPS, Action, Op, Schedule
 from schedules.costs import Comm, Costs, ResolvedCosts, checked_value
-from schedules.dependencies import ActionKey
+from schedules.flat import flatten
 from schedules.timeline import Event, MemoryTrace, Timeline
 from schedules.validate import feasible_order
 
@@ -68,9 +69,9 @@ def simulate(
                 f"{', '.join(given)}=); put them in the Costs instead"
             )
     table = costs.resolve(schedule)
-    order = feasible_order(schedule)  # validates the schedule, once
+    feasible = feasible_order(schedule)  # validates the schedule, once
     with gc_paused():
-        per_stage, busy = _replay(schedule, table, order)
+        per_stage, busy = _replay(schedule, table, feasible)
         memory = () if table.activation_bytes is None else _memory_traces(per_stage, table)
     return Timeline._from_stage_events(
         per_stage,
@@ -104,45 +105,63 @@ def _keyword_costs(
 
 
 def _replay(
-    schedule: Schedule,
-    table: ResolvedCosts,
-    order: list[tuple[int, Action, tuple[ActionKey, ...]]],
+    schedule: Schedule, table: ResolvedCosts, feasible: array[int]
 ) -> tuple[list[list[Event]], list[float]]:
     """Each stage's events, in its order, and each stage's busy time: the hot loop.
 
-    Written for speed (10^6 actions): locals only, no calls per action but for
-    building the Event.
+    Written for speed (10^6 actions): it walks the feasible order on the schedule's
+    arrays (``schedules.flat``), locals only, no calls per action but for building the
+    Action and the Event.
     """
-    durations = _durations(table)
-    hops = table.hops
-    ends: dict[ActionKey, float] = {}
+    flat = flatten(schedule)
+    durations = [[per_op[op] for op in OPS] for per_op in _durations(table)]  # [chunk][code]
+    # The hop into a forward comes from chunk c-1, into a B's or I's from chunk c+1.
+    before = [row.get(chunk - 1) for chunk, row in enumerate(table.hops)]
+    after = [row.get(chunk + 1) for chunk, row in enumerate(table.hops)]
+    ends = [0.0] * flat.size
+    positions = [0] * schedule.stages
     stage_free = [0.0] * schedule.stages
     busy = [0.0] * schedule.stages
     per_stage: list[list[Event]] = [[] for _ in range(schedule.stages)]
     appends = [events.append for events in per_stage]
-    new, event_type = object.__new__, Event
-    for stage, action, needed in order:
-        op, microbatch, chunk = action.op, action.microbatch, action.chunk
+    new, event_type, action_type, ops = object.__new__, Event, Action, OPS
+    columns = [(order.ops, order.microbatches, order.chunks, keys, first, second)
+               for order, keys, first, second in zip(schedule.orders, flat.keys, flat.first,
+                                                     flat.second)]
+    for stage in feasible:
+        position = positions[stage]
+        positions[stage] = position + 1
+        codes, microbatches, chunks, keys, first, second = columns[stage]
+        code, microbatch, chunk = codes[position], microbatches[position], chunks[position]
         start = stage_free[stage]
-        row = hops[chunk]  # producer chunk -> hop time per micro-batch, cross-stage only
-        for dependency in needed:
-            arrival = ends[dependency]
-            if row:
-                hop = row.get(dependency[2])
+        needed = first[position]
+        if needed >= 0:
+            arrival = ends[needed]
+            if code == CODE_F:
+                hop = before[chunk]
                 if hop is not None:
                     arrival += hop[microbatch]
             if arrival > start:
                 start = arrival
-        duration = durations[chunk][op][microbatch]
+            needed = second[position]
+            if needed >= 0:
+                arrival = ends[needed]
+                hop = after[chunk]
+                if hop is not None:
+                    arrival += hop[microbatch]
+                if arrival > start:
+                    start = arrival
+        duration = durations[chunk][code][microbatch]
         end = start + duration
-        ends[op, microbatch, chunk] = end
+        ends[keys[position]] = end
         stage_free[stage] = end
         busy[stage] += duration
-        # Event(stage, action, start, end) without the frozen __init__'s setattr calls.
+        # Action(op, microbatch, chunk) and Event(stage, action, start, end) without the
+        # frozen __init__'s checks and setattr calls.
+        action = new(action_type)
+        action.__dict__.update(op=ops[code], microbatch=microbatch, chunk=chunk)
         event = new(event_type)
-        fields = event.__dict__
-        fields["stage"], fields["action"], fields["start"], fields["end"] = (
-            stage, action, start, end)
+        event.__dict__.update(stage=stage, action=action, start=start, end=end)
         appends[stage](event)
     return per_stage, busy
 

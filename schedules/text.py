@@ -7,7 +7,7 @@ this module adds the CSV form of torch.distributed.pipelining's ``_dump_csv``
 placement are read off the actions as for the text form.
 
 Text comes from users and files (``Pipe(schedule=...)`` takes either), so both forms are
-read in time and memory linear in the text (``schedules.action.read_index``): digits are
+read in time and memory linear in the text (``schedules.parse.read_index``): digits are
 ASCII only, and an index that the text's action count cannot reach is refused.
 """
 
@@ -19,8 +19,8 @@ import os
 import re
 from pathlib import Path
 
-from schedules.action import (Action, Op, Schedule, ScheduleError, abbreviate, read_index,
-                              schedule_of_rows)
+from schedules.action import Action, Op, Schedule, ScheduleError, schedule_of_rows
+from schedules.parse import abbreviate, read_index
 
 _CSV_CELL = re.compile(r"^([0-9]+)([FBIW])([0-9]+)$")
 _CSV_OTHER = re.compile(r"^\(?\d*(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B)"

@@ -13,11 +13,11 @@ waits for it. Two placements are shared here:
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 
-from schedules._speed import OP_F, OP_I, OP_W
-from schedules.action import Action, Op, Schedule
-from schedules.dependencies import ActionKey, dependency_keys
+from schedules.action import CODE_F, CODE_I, CODE_W, Action, Op, Schedule, StageOrder
+from schedules.flat import Flat, flatten
 
 
 def lagged_stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> tuple[Action, ...]:
@@ -73,13 +73,14 @@ def capped_orders(stages: int, microbatches: int, cap: int) -> tuple[tuple[Actio
     return tuple(orders)
 
 
-def add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, ...], ...]:
+def add_weight_gradients(critical: Schedule, limit: int) -> tuple[StageOrder, ...]:
     """Insert each W into ``critical`` (F and I only) by replaying it with unit costs.
 
     At every time step each stage runs its next F or I if its inputs are there and,
     for an F, it holds fewer than ``limit`` chunk activations (or has no W to run
     instead); otherwise its oldest pending W, if any. Deterministic: each stage
-    decides alone, on what finished before the step.
+    decides alone, on what finished before the step. Works on the schedule's keys
+    (``schedules.flat``): no object per action.
 
     Args:
         critical: the schedule's Fs and Is, every stage in its order.
@@ -91,55 +92,48 @@ def add_weight_gradients(critical: Schedule, limit: int) -> tuple[tuple[Action, 
     Raises:
         RuntimeError: the replay stalled (``critical`` cannot run).
     """
-    replay = _UnitReplay(critical, limit)
+    flat = flatten(critical)
+    never = 1 << 62
+    finished = array("q", [never]) * flat.size  # the step from which a key's result is there
+    orders = [(bytearray(), array("q"), array("q")) for _ in range(critical.stages)]
+    positions = [0] * critical.stages
+    held = [0] * critical.stages
+    pending: list[deque[int]] = [deque() for _ in range(critical.stages)]
     remaining = 3 * sum(len(actions) for actions in critical.order) // 2
     step = 0
     while remaining:
-        ran = [replay.next_action(stage, step) for stage in range(critical.stages)]
-        if not any(ran):
+        ran = [_next_key(flat, stage, step, positions, held[stage] < limit, pending[stage],
+                         finished) for stage in range(critical.stages)]
+        if all(key < 0 for key in ran):
             raise RuntimeError(f"{critical.name}: the replay stalled at step {step}")
-        for stage, action in enumerate(ran):
-            if action is not None:
-                replay.record(stage, action, step)
-                remaining -= 1
+        for stage, key in enumerate(ran):
+            if key < 0:
+                continue
+            code, unit = key & 3, key >> 2
+            ops, microbatches, chunks = orders[stage]
+            ops.append(code)
+            microbatches.append(unit // critical.chunks)
+            chunks.append(unit % critical.chunks)
+            finished[key] = step + 1
+            held[stage] += 1 if code == CODE_F else -1 if code == CODE_W else 0
+            if code == CODE_I:
+                pending[stage].append(key + 1)  # its W
+            remaining -= 1
         step += 1
-    return tuple(tuple(actions) for actions in replay.orders)
+    return tuple(StageOrder(bytes(ops), microbatches, chunks)
+                 for ops, microbatches, chunks in orders)
 
 
-_HELD_CHANGE = {OP_F: 1, OP_I: 0, OP_W: -1}  # activations a stage holds after each op
-
-
-class _UnitReplay:
-    """The state of the unit-cost replay: where each stage is, what it holds and owes."""
-
-    def __init__(self, critical: Schedule, limit: int) -> None:
-        self.critical = critical
-        self.limit = limit
-        self.orders: list[list[Action]] = [[] for _ in range(critical.stages)]
-        self.position = [0] * critical.stages
-        self.held = [0] * critical.stages
-        self.pending: list[deque[Action]] = [deque() for _ in range(critical.stages)]
-        self.finished: dict[ActionKey, int] = {}
-
-    def next_action(self, stage: int, step: int) -> Action | None:
-        """What ``stage`` runs at ``step``: its next F or I if it may, else its oldest W."""
-        actions = self.critical.order[stage]
-        pending = self.pending[stage]
-        if self.position[stage] < len(actions):
-            action = actions[self.position[stage]]
-            needed = dependency_keys(self.critical, action.op, action.microbatch, action.chunk)
-            ready = all(self.finished.get(key, step + 1) <= step for key in needed)
-            room = action.op is not OP_F or self.held[stage] < self.limit or not pending
-            if ready and room:
-                self.position[stage] += 1
-                return action
-        return pending.popleft() if pending else None
-
-    def record(self, stage: int, action: Action, step: int) -> None:
-        """``stage`` ran ``action`` during ``step``; its result is there from ``step + 1``."""
-        self.orders[stage].append(action)
-        self.finished[(action.op, action.microbatch, action.chunk)] = step + 1
-        op = action.op
-        self.held[stage] += _HELD_CHANGE[op]
-        if op is OP_I:
-            self.pending[stage].append(Action(OP_W, action.microbatch, action.chunk))
+def _next_key(flat: Flat, stage: int, step: int, positions: list[int], room: bool,
+              pending: deque[int], finished: array[int]) -> int:
+    """The key ``stage`` runs at ``step``: its next F or I if it may, else its oldest W (-1:
+    nothing)."""
+    position = positions[stage]
+    keys = flat.keys[stage]
+    if position < len(keys):
+        first, second = flat.first[stage][position], flat.second[stage][position]
+        ready = (first < 0 or finished[first] <= step) and (second < 0 or finished[second] <= step)
+        if ready and (room or keys[position] & 3 != CODE_F or not pending):
+            positions[stage] = position + 1
+            return keys[position]
+    return pending.popleft() if pending else -1

@@ -23,9 +23,10 @@ is P stages' worth, 1F1B's peak. With F = I = W the bubble is then the ramp-up b
 
 from __future__ import annotations
 
+from array import array
+
 from schedules._checks import check_counts
-from schedules._speed import OP_F, OP_I
-from schedules.action import Action, Op, Schedule
+from schedules.action import CODE_F, CODE_I, Schedule, StageOrder
 from schedules.weights import add_weight_gradients
 
 
@@ -65,18 +66,22 @@ def zero_bubble_v(stages: int, microbatches: int) -> Schedule:
     return Schedule(stages, microbatches, order, placement, name="zb-v")
 
 
-def _forward_input_order(stage: int, stages: int, microbatches: int) -> tuple[Action, ...]:
+def _forward_input_order(stage: int, stages: int, microbatches: int) -> StageOrder:
     """The forwards and input gradients of one stage, in the paper's phases."""
     down, up = stage, 2 * stages - 1 - stage
     drawn = max(microbatches, 2 * stages - 1)
-    f_down, f_up, i_down, i_up = (OP_F, down), (OP_F, up), (OP_I, down), (OP_I, up)
+    f_down, f_up, i_down, i_up = (CODE_F, down), (CODE_F, up), (CODE_I, down), (CODE_I, up)
     counts = {f_down: 0, f_up: 0, i_down: 0, i_up: 0}
-    order: list[Action] = []
+    ops, numbers, chunks = bytearray(), array("q"), array("q")
 
-    def run(*steps: tuple[Op, int]) -> None:
-        for op, chunk in steps:
-            order.append(Action(op, counts[(op, chunk)], chunk))
-            counts[(op, chunk)] += 1
+    def run(*steps: tuple[int, int]) -> None:
+        for step in steps:
+            microbatch = counts[step]
+            counts[step] = microbatch + 1
+            if microbatch < microbatches:  # drawn for 2P-1, the missing ones left out
+                ops.append(step[0])
+                numbers.append(microbatch)
+                chunks.append(step[1])
 
     for _ in range(2 * (stages - stage) - 1):
         run(f_down)
@@ -92,4 +97,4 @@ def _forward_input_order(stage: int, stages: int, microbatches: int) -> tuple[Ac
         run(i_down, i_up)
     while counts[i_down] < drawn:
         run(i_down)
-    return tuple(action for action in order if action.microbatch < microbatches)
+    return StageOrder(bytes(ops), numbers, chunks)

@@ -1,0 +1,89 @@
+"""The messages of a schedule as numbers: each result that crosses stages, once, by the rule
+of ``schedules.flat``, with where it is produced and first needed.
+
+A producer has at most one consumer on another stage (a forward's is the next chunk's
+forward, a backward's the previous chunk's backward; its other consumers share its chunk),
+so every action sends at most one message and needs at most one: ``out`` and ``needs`` hold
+one message number per action, or -1.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+from schedules.action import CODE_F, CODE_W, Schedule
+from schedules.comm_ops import ACTIVATIONS, GRADIENTS
+from schedules.flat import Flat
+from schedules.plan_steps import SEND, OpArrays
+
+
+@dataclass(frozen=True)
+class Messages:
+    """Columns, one entry per message, and per stage and action the message it sends/needs.
+
+    Attributes:
+        producer: the producing action's key (``schedules.flat``).
+        source, produced_at: the producer's stage and its index there.
+        destination, consumer_index: the stage that needs it and the index of its first
+            action needing it.
+        channel: ``ACTIVATIONS`` for a forward's result, ``GRADIENTS`` for a backward's.
+        out: ``out[stage][index]``, the message the action there sends, or -1.
+        needs: ``needs[stage][index]``, the message the action there needs first, or -1.
+        chunks: the schedule's chunk count, to turn keys back into micro-batch and chunk.
+    """
+
+    producer: array[int]
+    source: array[int]
+    produced_at: array[int]
+    destination: array[int]
+    consumer_index: array[int]
+    channel: array[int]
+    out: list[array[int]]
+    needs: list[array[int]]
+    chunks: int
+
+    def add_op(self, ops: OpArrays, message: int, kind: int, channel: int | None = None) -> None:
+        """Append ``message``'s send (at its source) or receive (at its destination)."""
+        key = self.producer[message]
+        unit = key >> 2
+        peer = self.destination[message] if kind == SEND else self.source[message]
+        ops.add(kind, peer, self.channel[message] if channel is None else channel, key & 3,
+                unit // self.chunks, unit % self.chunks)
+
+
+def find_messages(schedule: Schedule, flat: Flat) -> Messages:
+    """Every cross-stage dependency of ``schedule`` (valid) as a message, in consumer order."""
+    placement = schedule.placement
+    chunks = schedule.chunks
+    where = array("q", bytes(8 * flat.size))
+    for keys in flat.keys:
+        for index, key in enumerate(keys):
+            where[key] = index
+    columns: list[array[int]] = [array("q") for _ in range(6)]
+    producer, source, produced_at, destination, consumer_index, channel = columns
+    out = [array("q", [-1]) * len(keys) for keys in flat.keys]
+    needs = [array("q", [-1]) * len(keys) for keys in flat.keys]
+    for stage, order in enumerate(schedule.orders):
+        first, second = flat.first[stage], flat.second[stage]
+        for index, (code, chunk) in enumerate(zip(order.ops, order.chunks)):
+            if code == CODE_F:
+                if not chunk or placement[chunk - 1] == stage:
+                    continue
+                key, sender = first[index], placement[chunk - 1]
+            elif code == CODE_W or second[index] < 0 or placement[chunk + 1] == stage:
+                continue
+            else:
+                key, sender = second[index], placement[chunk + 1]
+            at = where[key]
+            message = len(producer)
+            producer.append(key)
+            source.append(sender)
+            produced_at.append(at)
+            destination.append(stage)
+            consumer_index.append(index)
+            channel.append(ACTIVATIONS if key & 3 == CODE_F else GRADIENTS)
+            out[sender][at] = message
+            needs[stage][index] = message
+    return Messages(producer, source, produced_at, destination, consumer_index, channel, out,
+                    needs, chunks)
