@@ -11,7 +11,7 @@ from _rounds import measure_rounds, median_ms, timed_between_barriers
 from _vs_torch_model import STAGES, make_batch, make_model
 
 if TYPE_CHECKING:
-    from schedules.checkpointing import CheckpointMode
+    from schedules.recompute import CheckpointMode
 
 
 def _grad_sq(parameters: Iterable[Any]) -> float:

@@ -12,7 +12,7 @@ from torch import nn
 
 from partitioners.measure.model_cut import cut_of
 from schedules import Schedule, Timeline
-from schedules.checkpointing import CheckpointMode
+from schedules.recompute import CheckpointMode
 from split_backward import SplitMode
 from split_backward import check_mode as check_split_mode
 from units import Cut

@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union, cast
 
 from schedules.dependencies import crossings
-from schedules.checkpointing import CHECKPOINT_MODES, CheckpointMode, recomputed
+from schedules.recompute import CHECKPOINT_MODES, CheckpointMode, recomputed
 from schedules._speed import OP_F, OP_W
 from schedules.action import Op, Schedule
+from schedules.cost_values import check_number, checked_value
 
 Value = Union[float, Sequence[float]]
 """One number for every chunk (or stage), or one number per chunk (or stage)."""
@@ -68,7 +69,7 @@ class Link:
     bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
-        _check_number("Link latency", self.latency)
+        check_number("Link latency", self.latency)
         if not (isinstance(self.bandwidth, numbers.Real) and self.bandwidth > 0):
             raise ValueError(f"Link bandwidth: expected a number > 0, got {self.bandwidth!r}")
 
@@ -346,63 +347,21 @@ def hop_time(comm: Comm, source: int, destination: int, nbytes: float) -> float:
         ValueError: a time that is not finite and >= 0.
     """
     if isinstance(comm, (int, float)):
-        return _check_number("comm", comm)
+        return check_number("comm", comm)
     if callable(comm):
         time = comm(source, destination, nbytes)
         name = f"comm({source}, {destination}, {nbytes:g})"
     else:
         time, name = comm[source][destination], f"comm[{source}][{destination}]"
-    return _check_number(name, time)
-
-
-def _check_number(name: str, value: object, where: str = "") -> float:
-    """``value`` as a float, or ValueError unless it is finite and >= 0 (NaN included)."""
-    if type(value) is float or type(value) is int:  # the common case, without the ABC check
-        number = float(value)
-        if 0.0 <= number < math.inf:
-            return number
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a number{where}, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite, got {number}{where}")
-    if number < 0:
-        raise ValueError(f"{name} must be >= 0, got {number}{where}")
-    return number
-
-
-def checked_value(name: str, value: object) -> float | tuple[float, ...]:
-    """One cost as a float or a tuple of floats, each finite and >= 0.
-
-    Raises:
-        ValueError: naming ``name`` (and the item), for a negative, NaN or infinite value.
-        TypeError: a value that is neither a number nor a sequence of numbers.
-    """
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return _check_number(f"{name} cost", value)
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name}: expected a number or a sequence of numbers, got {value!r}")
-    try:
-        # Anything tuple() accepts: the TypeError it raises otherwise is the check.
-        values = tuple(cast(Iterable[object], value))
-    except TypeError:
-        raise TypeError(f"{name}: expected a number or a sequence of numbers, "
-                        f"got {value!r}") from None
-    checked = []
-    for index, item in enumerate(values):
-        if type(item) is float and 0.0 <= item < math.inf:  # valid: no message to format
-            checked.append(item)
-        else:
-            checked.append(_check_number(f"{name} cost", item, f" (item {index})"))
-    return tuple(checked)
+    return check_number(name, time)
 
 
 def _checked_comm(comm: Comm) -> Comm:
     if callable(comm):
         return comm
     if isinstance(comm, (float, numbers.Real)):
-        return _check_number("comm", comm)
-    rows = tuple(tuple(_check_number(f"comm[{s}][{d}]", t) for d, t in enumerate(row))
+        return check_number("comm", comm)
+    rows = tuple(tuple(check_number(f"comm[{s}][{d}]", t) for d, t in enumerate(row))
                  for s, row in enumerate(comm))
     return rows
 

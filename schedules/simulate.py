@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
 from schedules.action import CODE_F, OPS, Action, Op, Schedule
-from schedules.costs import Comm, Costs, ResolvedCosts, checked_value
+from schedules.cost_values import checked_value
+from schedules.costs import Comm, Costs, ResolvedCosts
 from schedules.flat import flatten
 from schedules.timeline import Event, MemoryTrace, Timeline
 from schedules.validate import feasible_order

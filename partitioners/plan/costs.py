@@ -34,7 +34,7 @@ from partitioners.measure.cost import (
 )
 from schedules.costs import hop_time
 from schedules.dependencies import crossings
-from schedules.checkpointing import check_mode, recomputed
+from schedules.recompute import check_mode, recomputed
 from schedules import Costs, Link
 
 Hop = float | Link

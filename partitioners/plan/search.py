@@ -58,7 +58,7 @@ from partitioners.plan.space import (
     microbatch_counts as microbatch_counts_for,
 )
 from partitioners.measure.sizes import format_bytes
-from schedules.checkpointing import CHECKPOINT_MODES
+from schedules.recompute import CHECKPOINT_MODES
 from schedules import Timeline, schedule_info, schedule_names, simulate
 
 CHECKPOINTS: tuple[str, ...] = CHECKPOINT_MODES  # ties go to less recomputation

@@ -10,7 +10,7 @@ from typing import Any, Union
 
 from partitioners.measure.cost import LayerCost
 from schedules import Schedule, schedule_info, schedule_names
-from schedules.checkpointing import CHECKPOINT_MODES
+from schedules.recompute import CHECKPOINT_MODES
 
 CostSource = Union[Mapping[int, Sequence[LayerCost]], Callable[[int], Sequence[LayerCost]]]
 """Per-layer costs by micro-batch rows: a mapping ``rows -> costs``, or ``at(rows) -> costs``."""

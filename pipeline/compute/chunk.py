@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedules.checkpointing import CheckpointMode, recomputed
+from schedules.recompute import CheckpointMode, recomputed
 from split_backward import ChunkSplit, SplitMode, WeightGradients, check_mode
 
 from pipeline.compute.activations import ActivationTracker

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from schedules.checkpointing import CheckpointMode
+from schedules.recompute import CheckpointMode
 
 from pipeline.compute.activations import ActivationTracker
 from pipeline.compute.chunk import ChunkRunner

@@ -36,7 +36,7 @@ import torch
 
 from schedules import Costs, Schedule, Timeline, simulate
 
-from schedules.checkpointing import CheckpointMode
+from schedules.recompute import CheckpointMode
 from schedules.dependencies import crossings
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.microbatch import batch_size, to_device

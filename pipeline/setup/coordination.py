@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from schedules.checkpointing import CHECKPOINT_MODES, check_mode
+from schedules.recompute import CHECKPOINT_MODES, check_mode
 from split_backward import SplitMode
 from units import Cut
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from schedules import Schedule
-from schedules.checkpointing import CheckpointMode, check_mode
+from schedules.recompute import CheckpointMode, check_mode
 from split_backward import SplitMode
 from units import Cut
 

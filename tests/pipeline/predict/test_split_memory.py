@@ -10,7 +10,7 @@ from torch import nn
 from pipeline import Pipe
 from pipeline.compute.microbatch import split_batch
 from pipeline.predict.step import predict_step
-from schedules.checkpointing import CheckpointMode
+from schedules.recompute import CheckpointMode
 
 MICROBATCHES = 4
 
