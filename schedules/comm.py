@@ -84,8 +84,7 @@ from schedules.comm_messages import Messages, find_messages
 from schedules.comm_ops import CommOp, Group
 from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.flat import flatten
-from schedules.plan_steps import (ACTION_STEP, GROUP_STEP, RECEIVE, SEND, OpArrays,
-                                  PlanSteps)
+from schedules.plan_steps import ACTION_STEP, GROUP_STEP, RECEIVE, SEND, PlanSteps
 from schedules.validate import feasible_order, validate
 
 Strategy = Literal["overlap", "ordered", "paired", "naive"]
@@ -220,21 +219,25 @@ def _plan(schedule: Schedule, stage: int, gaps: dict[int, list[tuple[int, int]]]
     """``stage``'s steps: before action ``i``, the ops of gap ``i`` (one group, or one group
     per op unless ``together``); after the last action, the last gap's."""
     order = schedule.orders[stage]
-    kinds, ends, ops = bytearray(), array("q"), OpArrays()
-    for index in range(len(order) + 1):
-        moved = gaps.get(index)
-        if moved:
-            for message, kind in moved:
-                messages.add_op(ops, message, kind, channel)
-                if not together:
-                    kinds.append(GROUP_STEP)
-                    ends.append(len(ops.kinds))
-            if together:
-                kinds.append(GROUP_STEP)
-                ends.append(len(ops.kinds))
-        if index < len(order):
-            kinds.append(ACTION_STEP)
-    return PlanSteps(bytes(kinds), order, ends, ops)
+    kinds, ends = bytearray(), array("q")
+    moved: list[tuple[int, int]] = []
+    action, count = bytes((ACTION_STEP,)), len(order)
+    last = 0
+    for index in sorted(gaps):
+        ops = gaps[index]
+        if not ops:
+            continue
+        kinds += action * (index - last)  # a gap is at most after the last action
+        last = index
+        moved += ops
+        if together:
+            kinds.append(GROUP_STEP)
+            ends.append(len(moved))
+        else:
+            kinds += bytes((GROUP_STEP,)) * len(ops)
+            ends.extend(range(len(moved) - len(ops) + 1, len(moved) + 1))
+    kinds += action * (count - last)
+    return PlanSteps(bytes(kinds), order, ends, messages.op_arrays(moved, channel))
 
 
 def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:

@@ -43,13 +43,24 @@ class Messages:
     needs: list[array[int]]
     chunks: int
 
-    def add_op(self, ops: OpArrays, message: int, kind: int, channel: int | None = None) -> None:
-        """Append ``message``'s send (at its source) or receive (at its destination)."""
-        key = self.producer[message]
-        unit = key >> 2
-        peer = self.destination[message] if kind == SEND else self.source[message]
-        ops.add(kind, peer, self.channel[message] if channel is None else channel, key & 3,
-                unit // self.chunks, unit % self.chunks)
+    def op_arrays(self, moved: list[tuple[int, int]], channel: int | None = None) -> OpArrays:
+        """The ops of ``moved``, ``(message, SEND or RECEIVE)`` each: a send at the message's
+        source, a receive at its destination, on its channel or on ``channel``."""
+        ops = OpArrays()
+        producer, source, destination = self.producer, self.source, self.destination
+        messages = [message for message, _ in moved]
+        ops.kinds = bytearray(kind for _, kind in moved)
+        ops.peers = array("q", [destination[message] if kind == SEND else source[message]
+                                for message, kind in moved])
+        ops.channels = (array("q", map(self.channel.__getitem__, messages))
+                        if channel is None else array("q", [channel]) * len(moved))
+        keys = list(map(producer.__getitem__, messages))
+        ops.producer_ops = bytearray(key & 3 for key in keys)
+        units = [key >> 2 for key in keys]
+        chunks = self.chunks
+        ops.microbatches = array("q", [unit // chunks for unit in units])
+        ops.chunks = array("q", [unit % chunks for unit in units])
+        return ops
 
 
 def find_messages(schedule: Schedule, flat: Flat) -> Messages:

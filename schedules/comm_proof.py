@@ -14,7 +14,7 @@ from schedules.comm import CommPlan
 from schedules.comm_messages import find_messages
 from schedules.comm_ops import MAX_CHANNELS
 from schedules.flat import flatten
-from schedules.plan_steps import ACTION_STEP, SEND, PlanSteps
+from schedules.plan_steps import ACTION_STEP, GROUP_STEP, SEND, PlanSteps
 
 
 def plan_is_sound(plan: CommPlan) -> bool:
@@ -49,40 +49,51 @@ def _messages_are_right(plan: CommPlan, stages: list[PlanSteps]) -> bool:
     step_of = [array("q", (at for at, kind in enumerate(steps.kinds) if kind == ACTION_STEP))
                for steps in stages]
     sent, received = bytearray(len(messages.producer)), bytearray(len(messages.producer))
+    source_of, destination_of = messages.source, messages.destination
+    produced_at, consumer_index = messages.produced_at, messages.consumer_index
+    microbatches = schedule.microbatches
     queues: dict[tuple[int, int, int, int], list[int]] = {}
     for stage, steps in enumerate(stages):
-        ops, group = steps.ops, 0
-        for index, kind in enumerate(steps.kinds):
-            if kind == ACTION_STEP:
-                continue
-            for at in range(steps.group_ends[group - 1] if group else 0, steps.group_ends[group]):
-                key = ((ops.microbatches[at] * chunks + ops.chunks[at]) * 4 + ops.producer_ops[at]
-                       if ops.microbatches[at] < schedule.microbatches
-                       and ops.chunks[at] < chunks else -1)
-                message = message_of[key] if key >= 0 else -1
-                if message < 0:
+        ops, steps_of_actions = steps.ops, step_of[stage]
+        for kind, peer, channel, code, microbatch, chunk, index in zip(
+                ops.kinds, ops.peers, ops.channels, ops.producer_ops, ops.microbatches,
+                ops.chunks, _op_steps(steps)):
+            if microbatch >= microbatches or chunk >= chunks:
+                return False
+            key = (microbatch * chunks + chunk) * 4 + code
+            message = message_of[key]
+            if message < 0:
+                return False
+            if kind == SEND:
+                if (source_of[message] != stage or destination_of[message] != peer
+                        or sent[message] or index < steps_of_actions[produced_at[message]]):
                     return False
-                peer, op_kind = ops.peers[at], ops.kinds[at]
-                if op_kind == SEND:
-                    if (messages.source[message] != stage or messages.destination[message] != peer
-                            or sent[message]
-                            or index < step_of[stage][messages.produced_at[message]]):
-                        return False
-                    sent[message] = 1
-                    pair = (op_kind, ops.channels[at], stage, peer)
-                else:
-                    if (messages.destination[message] != stage or messages.source[message] != peer
-                            or received[message]
-                            or index > step_of[stage][messages.consumer_index[message]]):
-                        return False
-                    received[message] = 1
-                    pair = (op_kind, ops.channels[at], peer, stage)
-                queues.setdefault(pair, []).append(key)
-            group += 1
+                sent[message] = 1
+                pair = (kind, channel, stage, peer)
+            else:
+                if (destination_of[message] != stage or source_of[message] != peer
+                        or received[message] or index > steps_of_actions[consumer_index[message]]):
+                    return False
+                received[message] = 1
+                pair = (kind, channel, peer, stage)
+            queue = queues.get(pair)
+            if queue is None:
+                queue = queues[pair] = []
+            queue.append(key)
     if sent.count(0) or received.count(0):
         return False
     return all(keys == queues.get((1 - kind, channel, source, destination))
                for (kind, channel, source, destination), keys in queues.items())
+
+
+def _op_steps(steps: PlanSteps) -> array[int]:
+    """Per op of ``steps``, the index of the step (its group) that posts it."""
+    at, start, found = 0, 0, array("q")
+    for end in steps.group_ends:
+        at = steps.kinds.index(GROUP_STEP, at)
+        found.extend(array("q", [at]) * (end - start))
+        start, at = end, at + 1
+    return found
 
 
 def _stalls(stages: list[PlanSteps]) -> bool:
@@ -90,27 +101,29 @@ def _stalls(stages: list[PlanSteps]) -> bool:
     count = len(stages)
     index = [0] * count
     waiting = [0] * count  # unmatched ops of the group a stage is in
-    posted: dict[int, int] = {}
+    posted = [0] * (2 * MAX_CHANNELS * count * count)
     ready = deque(range(count))
     while ready:
         stage = ready.popleft()
         steps = stages[stage]
-        kinds, ops, ends = steps.kinds, steps.ops, steps.group_ends
+        kinds, ends, slots = steps.kinds, steps.group_ends, steps.slots
+        peers, channels, op_kinds = steps.ops.peers, steps.ops.channels, steps.ops.kinds
         at = index[stage]
-        while at < len(kinds):
-            kind = kinds[at]
+        while True:
+            at = kinds.find(GROUP_STEP, at)  # actions need nothing from other stages
+            if at < 0:
+                at = len(kinds)
+                break
+            group = slots[at]
             at += 1
-            if kind == ACTION_STEP:
-                continue
-            group = steps.slots[at - 1]
             for op in range(ends[group - 1] if group else 0, ends[group]):
-                peer, channel = ops.peers[op], ops.channels[op]
-                source, destination = (stage, peer) if ops.kinds[op] == SEND else (peer, stage)
-                pair = (channel * count + source) * count + destination
-                mine, theirs = pair * 2 + ops.kinds[op], pair * 2 + 1 - ops.kinds[op]
-                number = posted.get(mine, 0)
+                peer, kind = peers[op], op_kinds[op]
+                pair = (channels[op] * count + (stage if kind == SEND else peer)) * count + (
+                    peer if kind == SEND else stage)
+                mine, theirs = pair * 2 + kind, pair * 2 + 1 - kind
+                number = posted[mine]
                 posted[mine] = number + 1
-                if number < posted.get(theirs, 0):
+                if number < posted[theirs]:
                     # Its partner was posted first, so the peer is blocked in that group.
                     waiting[peer] -= 1
                     if waiting[peer] == 0:

@@ -56,18 +56,28 @@ class Rendezvous:
         self.tick = stages
 
     def run(self) -> list[dict[int, list[tuple[int, int]]]]:
-        heap, in_gap = self.heap, self.in_gap
+        heap, in_gap, position = self.heap, self.in_gap, self.position
+        out, destination_of = self.messages.out, self.messages.destination
+        pending, senders = self.pending, self.senders
+        pop = heapq.heappop
         while heap:
             now = heap[0][0]
             arrived = []
             while heap and heap[0][0] <= now:
-                stage = heapq.heappop(heap)[2]
-                self._arrive(stage)
+                stage = pop(heap)[2]
+                # Arrive: the action just run has its result to send, if any.
+                at = position[stage]
+                message = out[stage][at - 1] if at else -1
+                if message >= 0:
+                    destination = destination_of[message]
+                    pending[stage][destination].append(message)
+                    senders[destination].add(stage)
+                in_gap[stage] = True
                 arrived.append(stage)
             # Everyone arriving at this instant is in a gap before anyone leaves.
             touched = set(arrived)
             for stage in arrived:
-                if self.senders[stage] or self.pending[stage]:
+                if senders[stage] or pending[stage]:
                     self._deliver(stage, touched)
             for stage in sorted(touched):
                 if in_gap[stage]:
@@ -76,16 +86,6 @@ class Rendezvous:
             stuck = [stage for stage, done in enumerate(self.done) if not done]
             raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
         return self.gaps
-
-    def _arrive(self, stage: int) -> None:
-        position = self.position[stage]
-        if position > 0:
-            message = self.messages.out[stage][position - 1]
-            if message >= 0:
-                destination = self.messages.destination[message]
-                self.pending[stage][destination].append(message)
-                self.senders[destination].add(stage)
-        self.in_gap[stage] = True
 
     def _deliver(self, stage: int, touched: set[int]) -> None:
         """Move every message between ``stage`` and peers also in a gap; add them to touched."""

@@ -60,9 +60,9 @@ class PlanSteps(tuple[Any, ...]):
     def __new__(cls, kinds: bytes, actions: StageOrder, group_ends: array[int],
                 ops: OpArrays) -> PlanSteps:
         steps = super().__new__(cls)
-        slots, counts = array("q"), [0, 0]
-        for kind in kinds:
-            slots.append(counts[kind])
+        slots, counts = array("q", bytes(8 * len(kinds))), [0, 0]
+        for at, kind in enumerate(kinds):
+            slots[at] = counts[kind]
             counts[kind] += 1
         if counts != [len(actions), len(group_ends)]:
             raise ValueError(f"PlanSteps: {counts[0]} action and {counts[1]} group steps, "

@@ -160,9 +160,12 @@ def _replay(
         # Action(op, microbatch, chunk) and Event(stage, action, start, end) without the
         # frozen __init__'s checks and setattr calls.
         action = new(action_type)
-        action.__dict__.update(op=ops[code], microbatch=microbatch, chunk=chunk)
+        fields = action.__dict__
+        fields["op"], fields["microbatch"], fields["chunk"] = ops[code], microbatch, chunk
         event = new(event_type)
-        event.__dict__.update(stage=stage, action=action, start=start, end=end)
+        fields = event.__dict__
+        fields["stage"], fields["action"], fields["start"], fields["end"] = (
+            stage, action, start, end)
         appends[stage](event)
     return per_stage, busy
 
