@@ -31,10 +31,10 @@ class DataParallelism:
     Attributes:
         replicas: ranks holding each stage; 1: no data parallelism.
         sharded: FSDP2 (``Pipe(data_parallel="fsdp")``): parameters, gradients and
-            optimizer state 1/replicas each between steps, each FSDP unit (a layer)
+            optimizer state 1/replicas each between steps, each FSDP shard group (a layer)
             all-gathered once per step and its gradients reduce-scattered once. False:
             whole copies whose gradients are all-reduced once per step (``"replicate"``).
-        reshard_after_forward: with ``sharded``, a unit's gathered parameters are freed
+        reshard_after_forward: with ``sharded``, a shard group's gathered parameters are freed
             after each forward (and, unless the schedule splits backwards, each backward)
             and gathered again before the next: less memory, more all-gathers.
         link: the hop between two replicas that prices the collectives (a ring of
@@ -71,35 +71,35 @@ class DataParallelism:
 NO_REPLICAS = DataParallelism()
 
 
-def gathered_bytes(units: Sequence[float], reshard_after_forward: bool,
+def gathered_bytes(shard_groups: Sequence[float], reshard_after_forward: bool,
                    split_backward: bool) -> float:
     """Bytes of whole parameters a sharded stage holds gathered at once within a step.
 
-    Every unit stays gathered from its first forward to the step's reduce-scatter by
-    default. With ``reshard_after_forward`` a unit is gathered around each forward and
-    backward only, so at once the largest unit; but after a split backward's I the units
-    stay gathered for the W (and until the chunk's next forward): the whole stage again.
+    Every shard group stays gathered from its first forward to the step's reduce-scatter
+    by default. With ``reshard_after_forward`` a shard group is gathered around each forward
+    and backward only, so at once the largest shard group; but after a split backward's I
+    the shard groups stay gathered for the W (and until the chunk's next forward): the whole stage again.
 
     Args:
-        units: bytes of each FSDP unit's whole parameters on the stage.
+        shard_groups: bytes of each FSDP shard group's whole parameters on the stage.
         reshard_after_forward: whether gathered parameters are freed after each forward.
         split_backward: whether the schedule splits backwards into I and W.
     """
-    if not units:
+    if not shard_groups:
         return 0.0
     if reshard_after_forward and not split_backward:
-        return float(max(units))
-    return float(sum(units))
+        return float(max(shard_groups))
+    return float(sum(shard_groups))
 
 
-def sharded_fixed_bytes(parameters: float, optimizer_factor: float, units: Sequence[float],
+def sharded_fixed_bytes(parameters: float, optimizer_factor: float, shard_groups: Sequence[float],
                         data_parallel: DataParallelism, split_backward: bool) -> float:
     """The fixed bytes of one stage with ``parameters`` bytes, at its peak within a step.
 
     Without replicas, or with whole copies: ``(2 + optimizer_factor) x parameters``.
     Sharded: ``(2 + optimizer_factor) x parameters / replicas`` between steps, plus the
     unsharded gradients (``parameters``) and the gathered parameters
-    (``gathered_bytes(units, ...)``) within one.
+    (``gathered_bytes(shard_groups, ...)``) within one.
 
     >>> sharded_fixed_bytes(400.0, 2.0, [100.0] * 4, DataParallelism(4, sharded=True), False)
     1200.0
@@ -111,7 +111,7 @@ def sharded_fixed_bytes(parameters: float, optimizer_factor: float, units: Seque
     if not (data_parallel.sharded and data_parallel.active):
         return whole
     return (whole / data_parallel.replicas + parameters
-            + gathered_bytes(units, data_parallel.reshard_after_forward, split_backward))
+            + gathered_bytes(shard_groups, data_parallel.reshard_after_forward, split_backward))
 
 
 def held_microbatches(

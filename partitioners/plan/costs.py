@@ -54,8 +54,8 @@ class ChunkSums:
         inputs: bytes of the activation it receives (0 for the first chunk).
         ties: ``(chunk, earlier chunk, bytes)``: parameters a chunk uses that an earlier
             chunk holds (``LayerCost.tied``); a stage without that chunk holds a copy.
-        units: per chunk, the parameter bytes of each of its layers that holds some (an
-            FSDP unit each).
+        shard_groups: per chunk, the parameter bytes of each of its layers that holds some (an
+            FSDP shard group each).
     """
 
     forward: tuple[float, ...]
@@ -67,7 +67,7 @@ class ChunkSums:
     inputs: tuple[int, ...]
     ties: tuple[tuple[int, int, int], ...] = ()
     weight: tuple[int, ...] = ()
-    units: tuple[tuple[int, ...], ...] = ()
+    shard_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
@@ -87,7 +87,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
                  if chunk_of[origin] != chunk_of[layer])
     fields: dict[str, list[float]] = {name: [] for name in ("F", "B", "I", "W")}
     saved, params, inputs, weight = [], [], [], []
-    units: list[tuple[int, ...]] = []
+    shard_groups: list[tuple[int, ...]] = []
     for first, end in zip(ends, ends[1:]):
         layers = costs[first:end]
         forward = sum(cost.forward for cost in layers)
@@ -108,7 +108,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         saved.append(saved_bytes_of(layers) + unsaved)
         weight.append(weight_bytes_of(layers))
         params.append(sum(cost.param_bytes for cost in layers))
-        units.append(tuple(cost.param_bytes for cost in layers if cost.param_bytes))
+        shard_groups.append(tuple(cost.param_bytes for cost in layers if cost.param_bytes))
         inputs.append(received)
     if loss is not None:
         _charge_loss(fields, loss)
@@ -116,7 +116,7 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
     return ChunkSums(
         tuple(fields["F"]), tuple(fields["B"]), tuple(fields["I"]), tuple(fields["W"]),
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
-        weight=tuple(weight), units=tuple(units),
+        weight=tuple(weight), shard_groups=tuple(shard_groups),
     )
 
 

@@ -1,9 +1,9 @@
 """What data-parallel replicas add to a plan: ring collectives, and where they fall on a step.
 
-With data-parallel replicas (``replicas_costs``) every FSDP unit (a layer holding
+With data-parallel replicas (``replicas_costs``) every FSDP shard group (a layer holding
 parameters) costs ring collectives over the replicas (``ring_seconds``): whole copies
-all-reduce each unit's gradients once per step after the stage's last backward; shards
-all-gather each unit once per step at its first forward and reduce-scatter its gradients
+all-reduce each shard group's gradients once per step after the stage's last backward; shards
+all-gather each shard group once per step at its first forward and reduce-scatter its gradients
 once after the last backward, or, with ``reshard_after_forward``, gather it again for
 every forward and backward that finds it freed (``gathers_per_action``). The gathers
 once per step lie on micro-batch 0's way through every chunk, and the reductions after
@@ -39,7 +39,7 @@ def ring_seconds(nbytes: float, replicas: int, link: Link) -> float:
 
 
 def gathers_per_action(schedule: Schedule) -> tuple[dict[Op, float], ...]:
-    """Per chunk, the mean all-gathers of its units per ``F``, ``B`` and ``I`` action when
+    """Per chunk, the mean all-gathers of its shard groups per ``F``, ``B`` and ``I`` action when
     gathered parameters are freed after every forward (``reshard_after_forward``).
 
     Walks each stage's order: a forward gathers the chunk unless it is still gathered and
@@ -89,18 +89,18 @@ def replicas_costs(costs: Costs, sums: ChunkSums, schedule: Schedule,
     of ``sharded_fixed_bytes`` per stage, the gathers of ``reshard_after_forward`` on the
     actions, and the collectives outside the actions (see the module docstring).
 
-    Each chunk's FSDP units are its layers holding parameters (a tied copy its stage holds
-    is one more); whole copies all-reduce per unit. The ring's hop is
+    Each chunk's FSDP shard groups are its layers holding parameters (a tied copy its stage holds
+    is one more); whole copies all-reduce per shard group. The ring's hop is
     ``data_parallel.link``, else ``hop`` (a number: a latency per step, bytes free).
     """
     if not data_parallel.active:
         return costs, StepCollectives()
     link = data_parallel.link or (hop if isinstance(hop, Link) else Link(latency=float(hop)))
-    units = [list(chunk) for chunk in sums.units] or [[p] for p in sums.params]
+    shard_groups = [list(chunk) for chunk in sums.shard_groups] or [[p] for p in sums.params]
     for chunk, nbytes in tied_copies(sums, schedule.placement):
-        units[chunk].append(nbytes)
+        shard_groups[chunk].append(nbytes)
     replicas, sharded = data_parallel.replicas, data_parallel.sharded
-    gather = [sum(ring_seconds(u, replicas, link) for u in chunk) for chunk in units]
+    gather = [sum(ring_seconds(u, replicas, link) for u in chunk) for chunk in shard_groups]
     reduce = [g if sharded else 2 * g for g in gather]
     last = tuple(sum(reduce[c] for c in owned) for owned in schedule.chunks_of_stage)
     if not sharded:
@@ -110,7 +110,8 @@ def replicas_costs(costs: Costs, sums: ChunkSums, schedule: Schedule,
     for owned in schedule.chunks_of_stage:
         fixed[owned[0]] = sharded_fixed_bytes(
             sum(params[c] for c in owned), optimizer_factor,
-            [u for c in owned for u in units[c]], data_parallel, bool(schedule.split_backward))
+            [u for c in owned for u in shard_groups[c]], data_parallel,
+            bool(schedule.split_backward))
     costs = replace(costs, fixed_bytes=tuple(fixed))
     if not data_parallel.reshard_after_forward:
         return costs, StepCollectives(sum(gather), last)

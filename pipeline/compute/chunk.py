@@ -31,12 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedules.recompute import CheckpointMode, recomputed
+from schedules.recompute import CheckpointMode, recomputed, recomputes
 from split_backward import ChunkSplit, SplitMode, WeightGradients, check_mode
 
 from pipeline.compute.activations import ActivationTracker
 from pipeline.compute.batchnorm import DeferredStatistics, frozen_statistics, running_norms
-from pipeline.compute.dtensors import holds_shards
 from pipeline.compute.forward_state import ForwardState, Replay
 from pipeline.compute.layer_run import LayerRun, LayerRuns, owned_copy
 from pipeline.compute.loss import microbatch_loss
@@ -91,8 +90,7 @@ class ChunkRunner:
     ``backward_weight``) needs, according to the checkpoint mode. The gradients
     returned are those with respect to the differentiable input leaves, in order.
     ``sharded``: the runtime sharded the layers (FSDP2), whose hooks expect weight
-    gradients in the backward, so a split takes the graph split; None asks the layers
-    (until every runtime says).
+    gradients in the backward, so a split takes the graph split.
     """
 
     def __init__(
@@ -104,7 +102,7 @@ class ChunkRunner:
         tracker: ActivationTracker | None,
         rng_lock: threading.Lock | None,
         grad_lock: SharedGrads | None = None,
-        sharded: bool | None = None,
+        sharded: bool = False,
     ) -> None:
         self.spec = spec
         self.layers = layers
@@ -118,7 +116,7 @@ class ChunkRunner:
         self.grad_lock = grad_lock
         self._stash: dict[int, _Stash] = {}
         self._weights: dict[int, WeightGradients] = {}  # what each micro-batch's I left for W
-        self._sharded = sharded
+        self.sharded = sharded
         self._split: ChunkSplit | None = None  # made by the first step that splits, or an I
         self._recomputed: tuple[bool, ...] = recomputed(options.checkpoint, 1)
         self._norms = running_norms(layers)
@@ -152,8 +150,8 @@ class ChunkRunner:
     def _splitting(self) -> ChunkSplit:
         """The chunk's split backward, made the first time a step needs it."""
         if self._split is None:
-            sharded = holds_shards(self.layers) if self._sharded is None else self._sharded
-            self._split = ChunkSplit(self.layers, self.options.split_backward, sharded=sharded)
+            self._split = ChunkSplit(self.layers, self.options.split_backward,
+                                     sharded=self.sharded)
         return self._split
 
     def close(self) -> None:
@@ -256,7 +254,9 @@ class ChunkRunner:
         detached loss multiplied by the micro-batch's ``weight``.
         """
         stash = self._stash[microbatch] = self._stashed(inputs, target, weight)
-        recomputed = self._recomputed[microbatch]
+        decided = self._recomputed  # a probe runs micro-batches past the step's count
+        recomputed = decided[microbatch] if microbatch < len(decided) else recomputes(
+            self.options.checkpoint, microbatch, len(decided))
         if self.tracker is not None and (recomputed or not self.spec.is_first):
             # The stash keeps the inputs until the backward, whether or not a layer saves
             # them (a view a layer saves too is counted once); the first chunk's are the

@@ -4,7 +4,7 @@ gradients, the optimizer's state and its transport's receive buffers.
 Bytes are this rank's own: a parameter sharded by FSDP2 (a DTensor) counts its local
 shard, and so do its gradient and the optimizer's state for it. A sharded stage also
 holds, within a step, its parameters whole (gathered; with ``reshard_after_forward``
-only the units in use, ``partitioners.cut.memory.gathered_bytes``) and their gradients
+only the shard groups in use, ``partitioners.cut.memory.gathered_bytes``) and their gradients
 whole, which accumulate unsharded until the step's one reduce-scatter (the runner's
 ``Sharding``). Whole copies (``"replicate"``) hold what a stage alone does.
 """
@@ -88,15 +88,16 @@ def fixed_bytes(runner: Runner, optimizer: torch.optim.Optimizer | None,
 def _within_step(sharding: Sharding, parameters: Sequence[torch.Tensor],
                  split_backward: bool) -> dict[str, int]:
     """A sharded stage's gathered parameters and unsharded gradients (whole sizes); none
-    otherwise. The units' element counts take the stage's mean bytes per element."""
+    otherwise. The shard groups' element counts take the stage's mean bytes per element."""
     if not (sharding.sharded and sharding.replicas > 1):
         return {}
     elements = sum(p.numel() for p in parameters)
     whole = sum(_whole_bytes(p) for p in parameters)
     per_element = whole / elements if elements else 0.0
-    units = [count * per_element for count in sharding.units]
+    shard_groups = [count * per_element for count in sharding.shard_groups]
     return {
-        "gathered": round(gathered_bytes(units, sharding.reshard_after_forward, split_backward)),
+        "gathered": round(gathered_bytes(shard_groups, sharding.reshard_after_forward,
+                                         split_backward)),
         "unsharded_gradients": sum(_whole_bytes(p) for p in parameters if p.requires_grad),
     }
 

@@ -139,11 +139,11 @@ class Collectives:
     """One stage's data-parallel collectives in a step, in seconds (all 0 without replicas).
 
     Attributes:
-        gathers: ``(chunk, seconds)``: all-gathering every FSDP unit of the chunk once
-            (a stage's units shared among its chunks by parameter count).
+        gathers: ``(chunk, seconds)``: all-gathering every FSDP shard group of the chunk once
+            (a stage's shard groups shared among its chunks by parameter count).
         reduce: after the stage's last backward, reducing its gradients: one
-            reduce-scatter per unit (FSDP), or one all-reduce per parameter (whole copies).
-        per_action: units are gathered again for every forward and backward that finds
+            reduce-scatter per shard group (FSDP), or one all-reduce per parameter (whole copies).
+        per_action: shard groups are gathered again for every forward and backward that finds
             them freed (``reshard_after_forward``), not once per step.
 
     Plain data across ranks: ``Collectives(*fields)`` rebuilds one from ``fields``.
@@ -184,11 +184,12 @@ def stage_collectives(runner: Runner, link: Link | None) -> dict[int, Collective
             found[stage] = Collectives((), reduce)
             continue
         per_element = _bytes_per_element([p for c in owned for p in params[c]])
-        units = sum(ring_seconds(n * per_element, sharding.replicas, link)
-                    for n in sharding.units)
+        gathering = sum(ring_seconds(n * per_element, sharding.replicas, link)
+                        for n in sharding.shard_groups)
         counts = {c: sum(p.numel() for p in params[c]) for c in owned}
         total = sum(counts.values()) or 1
-        found[stage] = Collectives(tuple((c, units * counts[c] / total) for c in owned), units,
+        found[stage] = Collectives(tuple((c, gathering * counts[c] / total) for c in owned),
+                                   gathering,
                                    sharding.reshard_after_forward)
     return found
 
@@ -201,7 +202,7 @@ def _bytes_per_element(parameters: Sequence[torch.Tensor]) -> float:
 def in_actions(schedule: Schedule, found: dict[int, Collectives]) -> tuple[float, ...]:
     """Per stage, seconds of collectives inside its actions in a step (what a measured busy
     time holds beside compute): the gathers, once each or as often as the schedule frees
-    the units (recomputed forwards' gathers left out)."""
+    the shard groups (recomputed forwards' gathers left out)."""
     shares = gathers_per_action(schedule)
     seconds = [0.0] * schedule.stages
     for stage, collectives in found.items():

@@ -156,7 +156,7 @@ def probe_runner(chunk: ChunkRunner, checkpoint: CheckpointMode, tracked: bool) 
         tracker.measuring = True
     return ChunkRunner(chunk.spec, chunk.layers, chunk.device,
                        replace(chunk.options, checkpoint=checkpoint),
-                       tracker, chunk.rng_lock, chunk.grad_lock)
+                       tracker, chunk.rng_lock, chunk.grad_lock, chunk.sharded)
 
 
 def _saved_by_forward(runner: ChunkRunner, inputs: Any, target: Any,

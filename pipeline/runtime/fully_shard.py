@@ -68,11 +68,6 @@ class FullyShard(Replicas):
         self.held: list[FSDPModule] = []  # groups gathered by hand: layers sharing parameters
         self.keep_gathered = False  # set while a probe runs: no hook frees a group
 
-    @property
-    def units(self) -> list[FSDPModule]:
-        """``shard_groups`` under its old name, for callers not yet renamed."""
-        return self.shard_groups
-
     def shard(self, layers: Sequence[nn.Module]) -> None:
         for modules in shard_groups_of(layers):
             if len(modules) == 1:

@@ -45,11 +45,6 @@ class Sharding:
     reshard_after_forward: bool = False
     shard_groups: tuple[int, ...] = ()
 
-    @property
-    def units(self) -> tuple[int, ...]:
-        """``shard_groups`` under its old name, for callers not yet renamed."""
-        return self.shard_groups
-
 
 NOT_SHARDED = Sharding()
 

@@ -152,7 +152,7 @@ def random_equal(rank: int, world: int, shape: Sequence[int], schedule: str) -> 
 
 def sharded_units(pipe: Any) -> int:
     """FSDP units on this rank (a layer, or layers sharing a parameter)."""
-    return len(pipe._runner.data_parallel.units)
+    return len(pipe._runner.data_parallel.shard_groups)
 
 
 def collectives(rank: int, world: int, reshard_after_forward: bool) -> tuple[int, dict[str, int]]:
