@@ -90,20 +90,24 @@ class PipeViews:
     def timeline(self) -> Timeline | None:
         """The measured Timeline of the last step (every rank's events on rank 0).
 
-        With a group it is gathered in the background after the step; reading it waits
-        for that gather (so does the next step).
+        With a group, each rank keeps only its own stage's times of its last few steps
+        (``RECENT_STEPS``), and the whole timeline is gathered on rank 0 when it is needed:
+        the first read after a step, ``predict()`` (which refines itself from the recent
+        steps) and ``close()``. Reading it is then a collective, like ``step()``: every rank
+        reads it (the others get None), or rank 0 reads it alone right before or after
+        ``close()`` or after ``predict()``, which gather it. A run that reads it once after
+        100 steps gathers once; reading it after every step gathers every step. A rank
+        that leaves without ``close()`` takes its part of the unread steps with it.
         """
-        self._settle_timeline()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._timeline = pending.result()
         return self._timeline
 
     def _settle_timeline(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        timeline = pending.result()
-        self._timeline = timeline
-        if timeline is not None:
-            self._recent.append(timeline)
+        """Before a step, ``predict()`` or ``close()``: nothing to wait for. No gather is in
+        flight between calls; the runner keeps the recent steps (``Runner.recent_timelines``,
+        which ``predict()`` reads) and ``close()`` gathers what was not read."""
 
     @contextlib.contextmanager
     def measure_memory(self) -> Iterator[None]:

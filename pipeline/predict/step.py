@@ -121,7 +121,8 @@ def predict_step(
         ranks: the Pipe's processes (``pipeline.group.ranks``), which calibrate the hops
             once and keep them; one process by default.
         measured: measured Timelines of earlier steps of this runner (where there are
-            some: rank 0 with a group), or one, to refine the prediction: the hop latency
+            some: rank 0 with a group), or one, to refine the prediction (None: the
+            runner's last steps, ``Runner.recent_timelines``): the hop latency
             from the delays their waiting consumers saw (``calibration.measured_hop_delay``,
             pooled over the steps), and each stage's compute by the ratio of its median
             measured busy time to the one predicted (ranks computing at once on shared
@@ -142,6 +143,8 @@ def predict_step(
     rows = _rows(inputs, targets, ranks, device)
     largest = max(range(len(rows)), key=lambda m: rows[m])
     hops = ranks.hops(_stage_devices(runner), schedule)  # every rank, before anything fails
+    recent = runner.recent_timelines()  # every rank: with a group, gathered on the first
+    measured = measured if measured is not None else (recent or None)
     link = replicas_link(runner)  # every replica, before anything fails
     with runner.data_parallel.gathered():
         local, failure, work = _measure_chunks(runner, inputs, targets, largest, ranks, device)

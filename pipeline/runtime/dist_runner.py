@@ -18,19 +18,19 @@ from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
 from pipeline.compute.tied_hooks import SharedGrads, chunk_users, refuse_hooks_across_ranks
-from pipeline.group.collectives import all_gather_async, all_reduce, barrier, wait
+from pipeline.group.collectives import all_reduce, barrier
 from pipeline.group.process_groups import clock_offset
 from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
 from pipeline.runtime.grad_norm import clip_spread_grads
 from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
+from pipeline.runtime.step_times import StepTimes
 from pipeline.group.distributed import TensorParallel
 from pipeline.runtime.tensor_parallel import parallelize, send_shards
 from pipeline.runtime.runner import (
     Plans,
     PendingTimeline,
-    measured_timeline,
     propagate_input_grads,
     step_of,
 )
@@ -98,7 +98,7 @@ class DistRunner:
         def make_chunk(spec: ChunkSpec, layers: nn.Sequential, chunk_device: torch.device
                        ) -> ChunkRunner:
             return ChunkRunner(spec, layers, chunk_device, options, self.tracker, None,
-                               self.shared_grads)
+                               self.shared_grads, sharded=self.data_parallel.sharding.sharded)
 
         devices = [device] * schedule.stages
         self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
@@ -112,6 +112,7 @@ class DistRunner:
             timeout,
         )
         self.clock_offset = clock_offset(group, timeout, device)
+        self.times = StepTimes(schedule, self.stage, group, device, timeout, self.clock_offset)
         self.memory: tuple[MemoryReport, ...] = ()
         self._broken: str | None = None  # why this rank's group can no longer be used
         self.meter: StepMeter | None = None  # set one to account for each step's time
@@ -166,6 +167,7 @@ class DistRunner:
         self.transport.fail(origin, f"{type(error).__name__}: {error}")
         if isinstance(error, PeerError):
             self._broken = self._broken or str(error)
+            self.times.halted = True
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -213,6 +215,7 @@ class DistRunner:
             if isinstance(error, PeerError):
                 # Messages of this step may still be in flight: the group must not be reused.
                 self._broken = self._broken or str(error)
+                self.times.halted = True
             raise
         state.merge()
         return found
@@ -241,7 +244,7 @@ class DistRunner:
             self.memory = (self.tracker.report(),)
         shared = time.perf_counter()
         loss = self._batch_loss(result.loss_known)
-        timeline = self._gather_timeline(result.events, origin)
+        timeline = self.times.record(result.events, origin)  # gathered when asked for
         self.data_parallel.reduce_gradients(list(self.parameters()))
         self._sum_shared_gradients()
         self.data_parallel.average_loss(loss)
@@ -278,48 +281,11 @@ class DistRunner:
             if parameter is not None:
                 parameter.grad = _like(parameter, grad)
 
-    def _gather_timeline(self, events: list[Event], origin: float) -> PendingTimeline:
-        """Every stage's events, gathered on the first in the background (one all-gather).
-
-        A stage's events follow its schedule order one to one, so only the times travel,
-        after the step's start: one tensor, where pickling every event cost milliseconds
-        a step. Times are on the first stage's clock, from its step's start. The gather
-        is waited for when the timeline is read, the next step begins or the Pipe
-        closes, so that a step does not wait for the slowest rank only to report. (Were
-        the other stages to wait for it in their step, a tiny 2-rank GPipe step would
-        take 15 ms instead of 10-14.) A rank that leaves without ``close()`` may take
-        its part of the last step's timeline with it.
-        """
-        schedule = self.schedule
-        row = torch.zeros(1 + 2 * max(len(order) for order in schedule.order), dtype=torch.float64)
-        shift = self.clock_offset  # to the first stage's clock
-        row[0] = origin - shift
-        if events:
-            row[1 : 1 + 2 * len(events)] = torch.tensor(
-                [t - shift for event in events for t in (event.start, event.end)],
-                dtype=torch.float64,
-            )
-        what = "gathering the last step's timeline (every rank completes it in its next step or close())"
-        work, rows = all_gather_async(row.to(self.device), self.group)
-
-        def resolve() -> Timeline | None:
-            try:
-                wait(work, what, self.group, self.timeout)
-            except PeerError as error:
-                self._broken = self._broken or str(error)
-                raise
-            if self.stage != 0:
-                return None
-            start = float(rows[0][0])
-            gathered = [
-                Event(stage, action, begin - start, end - start)
-                for stage, part in enumerate(rows)
-                for action, (begin, end) in zip(schedule.order[stage],
-                                                part[1:].view(-1, 2).tolist())
-            ]
-            return measured_timeline(schedule, gathered, f"measured, {schedule.stages} ranks")
-
-        return PendingTimeline(resolve)
+    def recent_timelines(self) -> tuple[Timeline, ...]:
+        """The last steps' whole Timelines on the first rank, oldest first (empty on the
+        others): every rank calls it, and it gathers what no read gathered yet
+        (``step_times``)."""
+        return self.times.recent()
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         schedule = self.schedule
@@ -338,16 +304,21 @@ class DistRunner:
         """Release the transport's communicators and buffers without waiting for the others
         (a dropped Pipe's finalizer)."""
         self._broken = self._broken or "released"
+        self.times.halted = True
         self.transport.close()
         self._close_chunks()
 
     def close(self) -> None:
-        """Let every rank arrive, then release the transport's communicators and buffers."""
+        """Let every rank arrive (sending the first rank the timelines no read gathered, so
+        that ``pipe.timeline`` still holds the last step's), then release the transport's
+        communicators and buffers."""
         if self._broken is None:
             try:
+                self.times.gather()
                 barrier(self.group, self.timeout, "closing the pipeline")
             except PeerError:
                 pass
+        self.times.halted = True
         self.transport.close()
         self._close_chunks()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from schedules import Event, Schedule
+from schedules import Event, Schedule, Timeline
 
 from pipeline.compute.activations import ActivationTracker, MemoryReport
 from pipeline.compute.slicing import build_chunks
@@ -21,6 +22,7 @@ from pipeline.runtime.data_parallel import NOT_SHARDED, Alone, DataParallel
 from pipeline.runtime.executor import StageResult, StepInputs, run_stage
 from pipeline.runtime.one_call import STAGE_THREAD_PREFIX
 from pipeline.runtime.runner import (
+    RECENT_STEPS,
     Plans,
     PendingTimeline,
     measured_timeline,
@@ -85,6 +87,7 @@ class LocalRunner:
         self.memory: tuple[MemoryReport, ...] = ()
         self.sharding = NOT_SHARDED
         self.data_parallel: DataParallel = Alone()  # one process: no replicas
+        self._recent: collections.deque[Timeline] = collections.deque(maxlen=RECENT_STEPS)
 
     def _stage_chunks(self, stage: int) -> dict[int, ChunkRunner]:
         return {c: self.chunks[c] for c in self.schedule.chunks_of_stage[stage]}
@@ -191,7 +194,12 @@ class LocalRunner:
         if self.trackers[0].measuring:
             self.memory = tuple(t.report() for t in self.trackers)
         timeline = measured_timeline(schedule, events, "measured")
+        self._recent.append(timeline)
         return loss, PendingTimeline.ready(timeline)
+
+    def recent_timelines(self) -> tuple[Timeline, ...]:
+        """The last ``RECENT_STEPS`` steps' Timelines, oldest first (whole: one process)."""
+        return tuple(self._recent)
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any]:
         schedule = self.schedule

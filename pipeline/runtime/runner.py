@@ -20,11 +20,15 @@ from pipeline.runtime.data_parallel import DataParallel, Sharding
 from pipeline.runtime.executor import StageSteps, StageResult
 
 
-class PendingTimeline:
-    """A step's measured Timeline, which may still be on its way (gathered across ranks).
+RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
-    ``result()`` waits for it once and keeps it; None where the timeline is not kept
-    (ranks other than the first's).
+
+class PendingTimeline:
+    """A step's measured Timeline, which may still have to be gathered across ranks.
+
+    ``result()`` builds it once (with a group: gathering it first if no gather has, a
+    collective of every rank of the pipeline) and keeps it; None where the timeline is not
+    kept (ranks other than the first's).
     """
 
     __slots__ = ("_resolve", "_value", "_done")
@@ -81,6 +85,11 @@ class Runner(Protocol):
 
     def run_forward(self, inputs: list[Any] | None) -> list[Any] | None:
         """Forwards only; the last chunk's outputs by micro-batch (None off its rank)."""
+
+    def recent_timelines(self) -> tuple[Timeline, ...]:
+        """The measured Timelines of the last ``RECENT_STEPS`` steps, oldest first, where
+        this process holds them whole (one process; the first rank of a group), else
+        empty. With a group every rank calls it: it gathers what no read gathered yet."""
 
     def parameters(self) -> Iterator[nn.Parameter]: ...
 

@@ -253,10 +253,11 @@ def test_a_silent_peer_ends_every_waiting_rank_within_the_timeout(
     # silent one wakes, while a wait that lasted until then would take near 9 s, past 7.
     silent, waiting = [found["silent_peer"] for found in two_ranks]
     # The waiting rank had every message of the first step (the loss rides on them), so
-    # that step is whole; the next one waits for the first step's timeline, and gives up.
+    # that step is whole; the next one waits for the silent rank's first message (no
+    # timeline is gathered between steps: issue 43), and gives up.
     assert waiting[0][0] == "finished", waiting
     assert waiting[1][0] == "PeerError" and waiting[1][1] < 7, waiting
-    assert "did not complete within 3s" in waiting[1][2]
+    assert "within 3s" in waiting[1][2]
     # The silent rank wakes, finishes its step and finds its peer gone in the next one.
     assert silent[0][0] == "finished" and silent[0][1] >= 9.0, silent
     assert silent[1][0] == "PeerError" and silent[1][1] < 10, silent
