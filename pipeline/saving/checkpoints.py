@@ -27,6 +27,9 @@ are errors naming them, on every rank. No byte of a checkpoint or of a peer is u
 are read with ``torch.load(weights_only=True)``, and DCP runs rank by rank with its plans
 and write results crossing as checked plain data (``pipeline.saving.steps``), so that no
 object collective runs and every wait is bounded by the Pipe's ``timeout`` (PeerError).
+As in DCP, the first rank alone reads every rank's plan and write results; each rank
+receives only its own share of the merged plan (``pipeline.saving.coordinator``), so a
+rank's cost of planning grows with its own entries, not with ranks x entries.
 torch's errors reach the caller as a ``CheckpointError`` (a ``ValueError``) whose message
 is their first line.
 
@@ -54,20 +57,22 @@ positions (save them beside the checkpoint if needed). The optimizer's hyperpara
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from pipeline.saving.coordinator import agree, answer, attempt, collect
 from pipeline.saving.format import (
     CheckpointError,
     plan_from_plain,
     plan_plain,
     results_from_plain,
     results_plain,
+    share_from_plain,
+    shares_plain,
 )
 from pipeline.saving.steps import RankLoad, RankSave
 from pipeline.saving.manifest import (
@@ -98,7 +103,6 @@ from pipeline.saving.state import (
     save_state,
     tied_groups,
 )
-from pipeline.errors import PeerError
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 
 if TYPE_CHECKING:
@@ -107,9 +111,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointError", "INCOMPLETE_MARK", "MANIFEST_FILE", "METADATA_FILE",
            "check_complete", "load_checkpoint", "load_into_model", "save_checkpoint",
            "save_model_checkpoint"]
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class _Scope:
@@ -255,41 +256,6 @@ def _check_optimizer(scope: _Scope, optimizer: torch.optim.Optimizer | None) -> 
                               f"layers do not: build it over pipe.parameters()")
 
 
-def _attempt(work: Callable[[], T], what: str) -> tuple[T | None, BaseException | None]:
-    """``work()``, or the error it raised; torch's own errors and the system's (OSError)
-    become a CheckpointError whose message is their first line (DCP's CheckpointException
-    is not even an Exception)."""
-    try:
-        return work(), None
-    except (CheckpointError, PeerError) as error:
-        return None, error
-    except Exception as error:  # noqa: BLE001 - reported on every rank by _agree
-        line = (str(error).strip().splitlines() or [""])[0][:500]
-        wrapped = CheckpointError(f"{what}: {type(error).__name__}: {line}")
-        wrapped.__cause__ = error
-        return None, wrapped
-
-
-def _agree(scope: _Scope, failure: BaseException | None, what: str, mine: Any = None
-           ) -> list[Any]:
-    """Every rank's ``mine`` (checked plain data), once every rank reached this point; the
-    first failure raised on every rank (this rank's own, or one naming the rank that failed).
-    Waits at most the Pipe's timeout (PeerError)."""
-    text = None if failure is None else f"{type(failure).__name__}: {failure}"
-    gathered = scope.ranks.gather({"failed": text, "value": None if failure else mine}, what,
-                                  scope.device)
-    if failure is not None:
-        raise failure
-    for rank, entry in enumerate(gathered):
-        if not (isinstance(entry, dict) and set(entry) == {"failed", "value"}
-                and (entry["failed"] is None or isinstance(entry["failed"], str))):
-            raise CheckpointError(f"rank {rank} sent something else than its part while "
-                                  f"{what}: a rank of another version, or corrupt")
-        if entry["failed"] is not None:
-            raise CheckpointError(f"rank {rank} failed {what}: {entry['failed']}")
-    return [entry["value"] for entry in gathered]
-
-
 # -- saving ----------------------------------------------------------------------------------
 
 
@@ -298,10 +264,10 @@ def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None,
     _check_optimizer(scope, optimizer)
     target = absolute(path)
     staging = staging_of(target)
-    lock, failure = _attempt(lambda: take(target) if scope.coordinator else None,
+    lock, failure = attempt(lambda: take(target) if scope.coordinator else None,
                              "preparing the checkpoint directory")
     try:
-        _agree(scope, failure, "preparing the checkpoint directory")
+        agree(scope.ranks, scope.device, failure, "preparing the checkpoint directory")
         _write(scope, optimizer, staging, target, step)
     except Exception:
         if lock is not None:  # an ordinary failure leaves nothing; a killed save, its staging
@@ -314,29 +280,42 @@ def _save(scope: _Scope, optimizer: torch.optim.Optimizer | None,
 
 def _write(scope: _Scope, optimizer: torch.optim.Optimizer | None, staging: Path,
            target: Path, step: int) -> None:
-    """Every rank's shards into ``staging``, then the first rank publishes it at ``target``."""
+    """Every rank's shards into ``staging``, then the first rank publishes it at ``target``.
+    The first rank alone merges the plans and reads the write results
+    (``pipeline.saving.coordinator``): a rank handles its own entries only."""
     saving: list[RankSave] = []
-    rank = scope.ranks.rank
+    rank, ranks, device = scope.ranks.rank, scope.ranks, scope.device
 
     def plan() -> dict[str, Any]:
         state = save_state(scope.layout, optimizer, step, rank)
         saving.append(RankSave(state, staging, rank))
         return plan_plain(saving[0].local_plan())
 
-    mine, failure = _attempt(plan, "planning the save")
-    plans = _agree(scope, failure, "planning the save", mine)
+    mine, failure = attempt(plan, "planning the save")
+    plans, failure = collect(ranks, mine, failure, "planning the save", device)
+
+    def merge() -> list[dict[str, Any]]:
+        assert plans is not None
+        local = [plan_from_plain(part, f"rank {r}'s save plan") for r, part in enumerate(plans)]
+        return shares_plain(local, saving[0].merge(local))
+
+    shares, failure = attempt(merge, "planning the save") if plans is not None \
+        and failure is None else (None, failure)
+    share = answer(ranks, shares, failure, "planning the save", device)
 
     def write() -> dict[str, Any]:
-        results = saving[0].write([plan_from_plain(plan, f"rank {r}'s save plan")
-                                   for r, plan in enumerate(plans)])
+        mine = share_from_plain(share, len(saving[0].local.items), "the save plan's share")
+        results = saving[0].write(mine)
         files = {path.name: digest(path) for path in sorted(staging.glob(f"__{rank}_*.distcp"))}
         return {"results": results_plain(results), "files": files}
 
-    mine, failure = _attempt(write, "writing its shards")
-    written = _agree(scope, failure, "writing its shards", mine)
+    mine, failure = attempt(write, "writing its shards")
+    written, failure = collect(ranks, mine, failure, "writing its shards", device)
 
     def finish() -> None:
-        if not scope.coordinator:
+        if failure is not None:
+            raise failure
+        if written is None:  # not the first rank
             return
         files: dict[str, dict[str, Any]] = {}
         for r, part in enumerate(written):
@@ -348,8 +327,9 @@ def _write(scope: _Scope, optimizer: torch.optim.Optimizer | None, staging: Path
         write_manifest(staging, metadata, files)
         _publish(staging, target)
 
-    _, failure = _attempt(finish, "publishing the checkpoint")
-    _agree(scope, failure, "publishing the checkpoint")  # nobody returns before it is in place
+    _, failure = attempt(finish, "publishing the checkpoint")
+    # Nobody returns before it is in place.
+    agree(scope.ranks, scope.device, failure, "publishing the checkpoint")
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -369,20 +349,20 @@ def _load(scope: _Scope, optimizer: torch.optim.Optimizer | None, path: Path) ->
         verify(directory, files, loads[0].files() + loads[1].files())
         return reading, *loads
 
-    prepared, failure = _attempt(prepare, "checking the checkpoint")
-    _agree(scope, failure, "checking the checkpoint")
+    prepared, failure = attempt(prepare, "checking the checkpoint")
+    agree(scope.ranks, scope.device, failure, "checking the checkpoint")
     assert prepared is not None
     reading, tied, rest = prepared
 
     # The tied keys first, into placeholders: a tie the checkpoint would break is refused
     # on every rank before anything is read into the model.
-    _, failure = _attempt(lambda: check_ties(reading, tied.read()), "checking tied weights")
-    _agree(scope, failure, "checking tied weights")
+    _, failure = attempt(lambda: check_ties(reading, tied.read()), "checking tied weights")
+    agree(scope.ranks, scope.device, failure, "checking tied weights")
 
     def read() -> dict[str, Any] | None:
         reading.flat.update(rest.read())
         return optimizer_state(reading, optimizer)
 
-    optimizer_loaded, failure = _attempt(read, "reading the checkpoint")
-    _agree(scope, failure, "reading the checkpoint")
+    optimizer_loaded, failure = attempt(read, "reading the checkpoint")
+    agree(scope.ranks, scope.device, failure, "reading the checkpoint")
     return apply(reading, scope.layout, optimizer, optimizer_loaded)

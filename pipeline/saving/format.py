@@ -231,6 +231,42 @@ def plan_from_plain(value: Any, where: str) -> SavePlan:
     return SavePlan(items, planner_data=_mappings(fields["mappings"], f"{where}.mappings"))
 
 
+def shares_plain(local: Sequence[SavePlan], merged: Sequence[SavePlan]) -> list[dict[str, Any]]:
+    """What the first rank tells each rank of the merged plan: the positions of its local
+    plan's items that it writes (replicas' duplicates are written once) and their index
+    hints, as DCP's global plan rewrote them (None: none). A few ints an item."""
+    shares = []
+    for rank, (plan, final) in enumerate(zip(local, merged)):
+        kept: list[int] = []
+        hints: list[int | None] = []
+        items = iter(enumerate(plan.items))
+        for item in final.items:
+            position = next((p for p, candidate in items if candidate.index == item.index), None)
+            if position is None:
+                raise CheckpointError(f"rank {rank}'s merged save plan holds {item.index.fqn}, "
+                                      f"which its own plan does not hold in that order")
+            kept.append(position)
+            hints.append(item.index.index)
+        shares.append({"kept": kept, "hints": hints})
+    return shares
+
+
+def share_from_plain(value: Any, items: int, where: str) -> list[tuple[int, int | None]]:
+    """A rank's share of the merged plan, from the first rank: (position, hint) per item it
+    writes, positions increasing and below ``items`` (its local plan's length)."""
+    fields = as_dict(value, where, ("kept", "hints"))
+    kept, hints = _list(fields["kept"], f"{where}.kept"), _list(fields["hints"], f"{where}.hints")
+    if len(kept) != len(hints) or len(kept) > items:
+        raise fail(where, f"as many hints as positions, at most {items}", value)
+    found = []
+    for i, (position, hint) in enumerate(zip(kept, hints)):
+        position = as_int(position, f"{where}.kept[{i}]")
+        if position >= items or (found and position <= found[-1][0]):
+            raise fail(f"{where}.kept[{i}]", f"an increasing position below {items}", position)
+        found.append((position, None if hint is None else as_int(hint, f"{where}.hints[{i}]")))
+    return found
+
+
 def results_plain(results: Sequence[WriteResult]) -> list[dict[str, Any]]:
     """What a rank wrote, where (DCP's write results) as plain data."""
     return [{"index": _index_plain(result.index), "bytes": result.size_in_bytes,

@@ -5,8 +5,10 @@ collectives (pickles from peers) and read ``.metadata`` with ``pickle.load``. Th
 planners and file storage are public extension points, so this module runs the same
 steps for one rank: the caller carries the plans and write results between ranks as
 checked plain data (``pipeline.saving.format``), under the Pipe's timeout, and hands
-the load the index it read from the manifest. Every rank computes the same global plan
-from the same gathered plans (DCP's planner is deterministic), so nothing is scattered.
+the load the index it read from the manifest. As in DCP, the first rank alone merges
+the local plans (``merge``) and keeps the index; each rank writes the share of its own
+plan the merge gave it (``write``), so no rank but the first handles another's entries
+(``pipeline.saving.coordinator``).
 
 Bytes entries (an optimizer's hyperparameters) are read with ``torch.load(...,
 weights_only=True)``; DCP's default planner would read them with ``weights_only=False``.
@@ -17,6 +19,7 @@ was verified is refused too.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Iterator, Sequence
@@ -26,7 +29,10 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+# DCP's writer names its files by the plan's private _StoragePrefix: built here, as its
+# prepare_global_plan builds it for rank r on the coordinator ("__<r>_").
+from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemReader,
+                                                     FileSystemWriter, _StoragePrefix)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -46,18 +52,29 @@ class RankSave:
         self.planner.set_up_planner(state_dict=state, storage_meta=self.writer.storage_meta(),
                                     is_coordinator=self.coordinator)
         self.writer.set_up_storage_writer(self.coordinator, rank=rank, use_collectives=True)
-        self.metadata: Metadata | None = None
+        self.metadata: Metadata | None = None  # the first rank's, once merged
+        self.local = SavePlan([])
 
     def local_plan(self) -> SavePlan:
         """What this rank holds, before replicas' duplicates are dropped."""
-        plan: SavePlan = self.writer.prepare_local_plan(self.planner.create_local_plan())
-        return plan
+        self.local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+        return self.local
 
-    def write(self, plans: Sequence[SavePlan]) -> list[WriteResult]:
-        """Write this rank's share of the global plan made from every rank's ``plans``."""
-        global_plans, self.metadata = self.planner.create_global_plan(list(plans))
-        global_plans = self.writer.prepare_global_plan(global_plans)  # files __<rank>_*.distcp
-        plan = self.planner.finish_plan(global_plans[self.rank])
+    def merge(self, plans: Sequence[SavePlan]) -> list[SavePlan]:
+        """The first rank's part: every rank's share of the global plan made from every
+        rank's local ``plans`` (DCP's coordinator step); keeps the checkpoint's index."""
+        merged, self.metadata = self.planner.create_global_plan(list(plans))
+        return merged
+
+    def write(self, share: Sequence[tuple[int, int | None]]) -> list[WriteResult]:
+        """Write this rank's ``share`` of the global plan: the items of its local plan at
+        those positions, with the index hints the merge gave them, into its own files
+        (``__<rank>_*.distcp``, as DCP's writer names them)."""
+        local = self.local
+        items = [dataclasses.replace(local.items[position], index=dataclasses.replace(
+            local.items[position].index, index=hint)) for position, hint in share]
+        plan = self.planner.finish_plan(dataclasses.replace(
+            local, items=items, storage_data=_StoragePrefix(f"__{self.rank}_")))
         written = self.writer.write_data(plan, self.planner)
         written.wait()
         results: list[WriteResult] = written.value()
