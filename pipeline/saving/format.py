@@ -258,7 +258,7 @@ def share_from_plain(value: Any, items: int, where: str) -> list[tuple[int, int 
     kept, hints = _list(fields["kept"], f"{where}.kept"), _list(fields["hints"], f"{where}.hints")
     if len(kept) != len(hints) or len(kept) > items:
         raise fail(where, f"as many hints as positions, at most {items}", value)
-    found = []
+    found: list[tuple[int, int | None]] = []
     for i, (position, hint) in enumerate(zip(kept, hints)):
         position = as_int(position, f"{where}.kept[{i}]")
         if position >= items or (found and position <= found[-1][0]):
