@@ -103,7 +103,9 @@ class CommPlan:
 
     Attributes:
         schedule: the timetable whose compute order the plan keeps exactly.
-        stages: per stage, a tuple of steps, each an ``Action`` or a ``Group``.
+        stages: per stage, a tuple of steps, each an ``Action`` or a ``Group`` (stored as
+            ``PlanSteps``, arrays made into objects when read, whenever arrays can hold
+            them: always for ``comm_plan``'s plans).
         strategy: how it was built (see ``comm_plan``), for messages.
     """
 

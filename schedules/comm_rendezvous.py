@@ -118,13 +118,15 @@ class Rendezvous:
         if needed >= 0 and not self.moved[needed]:
             return
         end = now + self.durations[stage][position]
-        consumer_index = self.messages.consumer_index
-        for destination, messages in pending.items():
-            # Wait for a receiver that needs this next and arrives before we would be back.
-            if self.busy_until[destination] < end and any(
-                consumer_index[message] == self.position[destination] for message in messages
-            ):
-                return
+        if pending:
+            consumer_index, busy_until = self.messages.consumer_index, self.busy_until
+            for destination, messages in pending.items():
+                # Wait for a receiver that needs this next and arrives before we would be back.
+                if busy_until[destination] < end:
+                    next_index = self.position[destination]
+                    for message in messages:
+                        if consumer_index[message] == next_index:
+                            return
         self.in_gap[stage] = False
         self.position[stage] = position + 1
         self.busy_until[stage] = end

@@ -13,7 +13,11 @@ ActionKey = tuple[Op, int, int]
 
 
 def dependency_keys(schedule: Schedule, op: Op, microbatch: int, chunk: int) -> tuple[ActionKey, ...]:
-    """The rule itself, on ``(op, microbatch, chunk)`` keys; see ``dependencies``."""
+    """The rule itself, on ``(op, microbatch, chunk)`` keys; see ``dependencies``.
+
+    The linear passes read the same rule on integer keys (``schedules.flat.flatten``); the
+    reference table (tests/schedules/test_reference_table.py) holds the two together.
+    """
     if op is OP_F:
         return ((OP_F, microbatch, chunk - 1),) if chunk > 0 else ()
     if op is OP_W:

@@ -17,7 +17,7 @@ from array import array
 from collections import deque
 
 from schedules.action import CODE_F, CODE_I, CODE_W, Action, Op, Schedule, StageOrder
-from schedules.flat import Flat, flatten
+from schedules.flat import flatten
 
 
 def lagged_stage_order(stage: int, microbatches: int, warmup: int, lag: int) -> tuple[Action, ...]:
@@ -95,45 +95,50 @@ def add_weight_gradients(critical: Schedule, limit: int) -> tuple[StageOrder, ..
     flat = flatten(critical)
     never = 1 << 62
     finished = array("q", [never]) * flat.size  # the step from which a key's result is there
-    orders = [(bytearray(), array("q"), array("q")) for _ in range(critical.stages)]
+    ran: list[list[int]] = [[] for _ in range(critical.stages)]
     positions = [0] * critical.stages
     held = [0] * critical.stages
     pending: list[deque[int]] = [deque() for _ in range(critical.stages)]
-    remaining = 3 * sum(len(actions) for actions in critical.order) // 2
+    columns = list(zip(flat.keys, flat.first, flat.second, pending, ran))
+    remaining = 3 * sum(len(keys) for keys in flat.keys) // 2
     step = 0
     while remaining:
-        ran = [_next_key(flat, stage, step, positions, held[stage] < limit, pending[stage],
-                         finished) for stage in range(critical.stages)]
-        if all(key < 0 for key in ran):
-            raise RuntimeError(f"{critical.name}: the replay stalled at step {step}")
-        for stage, key in enumerate(ran):
+        before = remaining
+        # A result is there from the step after it ran, so a stage's choice at this step
+        # depends only on earlier steps: each stage decides and records in turn.
+        for stage, (keys, first, second, waiting, done) in enumerate(columns):
+            position, key = positions[stage], -1
+            if position < len(keys):
+                needed, other = first[position], second[position]
+                if ((needed < 0 or finished[needed] <= step)
+                        and (other < 0 or finished[other] <= step)
+                        and (held[stage] < limit or keys[position] & 3 != CODE_F
+                             or not waiting)):
+                    positions[stage] = position + 1
+                    key = keys[position]
             if key < 0:
-                continue
-            code, unit = key & 3, key >> 2
-            ops, microbatches, chunks = orders[stage]
-            ops.append(code)
-            microbatches.append(unit // critical.chunks)
-            chunks.append(unit % critical.chunks)
+                if not waiting:
+                    continue
+                key = waiting.popleft()
+            done.append(key)
             finished[key] = step + 1
-            held[stage] += 1 if code == CODE_F else -1 if code == CODE_W else 0
-            if code == CODE_I:
-                pending[stage].append(key + 1)  # its W
+            code = key & 3
+            if code == CODE_F:
+                held[stage] += 1
+            elif code == CODE_W:
+                held[stage] -= 1
+            else:
+                waiting.append(key + 1)  # an I: its W
             remaining -= 1
+        if remaining == before:
+            raise RuntimeError(f"{critical.name}: the replay stalled at step {step}")
         step += 1
-    return tuple(StageOrder(bytes(ops), microbatches, chunks)
-                 for ops, microbatches, chunks in orders)
+    return tuple(_stage_order(keys, critical.chunks) for keys in ran)
 
 
-def _next_key(flat: Flat, stage: int, step: int, positions: list[int], room: bool,
-              pending: deque[int], finished: array[int]) -> int:
-    """The key ``stage`` runs at ``step``: its next F or I if it may, else its oldest W (-1:
-    nothing)."""
-    position = positions[stage]
-    keys = flat.keys[stage]
-    if position < len(keys):
-        first, second = flat.first[stage][position], flat.second[stage][position]
-        ready = (first < 0 or finished[first] <= step) and (second < 0 or finished[second] <= step)
-        if ready and (room or keys[position] & 3 != CODE_F or not pending):
-            positions[stage] = position + 1
-            return keys[position]
-    return pending.popleft() if pending else -1
+def _stage_order(keys: list[int], chunks: int) -> StageOrder:
+    """The StageOrder of a stage's ``keys`` (``schedules.flat``)."""
+    units = [key >> 2 for key in keys]
+    return StageOrder(bytes([key & 3 for key in keys]),
+                      array("q", [unit // chunks for unit in units]),
+                      array("q", [unit % chunks for unit in units]))
