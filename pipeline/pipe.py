@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,7 +21,6 @@ from pipeline.compute.loss import SummedLoss, loss_rule
 from pipeline.compute.microbatch import merge, split, split_batch
 from pipeline.compute.own_loss import check_labels_on_last, own_loss_rule, own_loss_target
 from pipeline.compute.sample import split_sample
-from pipeline.errors import PeerError
 from pipeline.group.distributed import Distributed, layout_of
 from pipeline.group.ranks import RankGroup, Ranks
 from pipeline.model_like import ModelLike
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
 
 
 class Pipe(PipeViews, ModelLike):
@@ -169,8 +166,6 @@ class Pipe(PipeViews, ModelLike):
         self._runner: Runner | None = runner
         self._timeline: Timeline | None = None
         self._pending: PendingTimeline | None = None  # the last step's, until read
-        # The last few steps' measured timelines (rank 0 with a group), which refine predict().
-        self._recent: collections.deque[Timeline] = collections.deque(maxlen=RECENT_STEPS)
 
     @property
     def _deciders(self) -> Ranks:
@@ -183,7 +178,6 @@ class Pipe(PipeViews, ModelLike):
 
     def _build_runner(self) -> Runner:
         assert self._balance is not None
-        self._recent.clear()
         self._pending = None
         runner = self._processes.build_runner(self.model, self._balance, self._schedule,
                                               self._devices, self._options)
@@ -272,7 +266,6 @@ class Pipe(PipeViews, ModelLike):
         if self.loss_fn is None:
             check_labels_on_last(targets, getattr(runner, "stage", None),
                                  self._schedule.placement[-1])
-        self._settle_timeline()
         # With data-parallel replicas, over the union of their batches.
         weights = None if targets is None else runner.data_parallel.loss_weights(
             self._loss_rule, targets, self._devices[-1])
@@ -300,7 +293,7 @@ class Pipe(PipeViews, ModelLike):
         and ``memory`` hold each stage's predicted bytes (parameters, gradients,
         the optimizer's state, receive buffers and the activations the schedule
         holds). After steps the prediction is refined from the measured timelines of
-        the last few (up to ``RECENT_STEPS``): the hop latency from the delays their
+        the last few (up to ``pipeline.runtime.runner.RECENT_STEPS``): the hop latency from the delays their
         waiting stages saw, each stage's compute from its median busy time
         (``pipeline.predict.step.predict_step`` returns the costs beside the Timeline).
 
@@ -327,10 +320,8 @@ class Pipe(PipeViews, ModelLike):
             raise ValueError("predict() needs a loss_fn: build the Pipe with loss_fn=...")
         inputs, targets = split_batch(x, target, self.chunks, self._ranks.size == 1, "predict")
         runner = self._ensure_runner(x)
-        self._settle_timeline()
         return predict_step(runner, inputs, targets, optimizer=optimizer,
-                            ranks=self._ranks,
-                            measured=tuple(self._recent) or None).timeline
+                            ranks=self._ranks).timeline
 
     def __call__(self, x: Any) -> Any:
         """Forwards only; returns the merged output on the last device (on the last rank).
@@ -367,9 +358,9 @@ class Pipe(PipeViews, ModelLike):
         take the forwards a split backward switched on off the model's layers.
 
         With a group, every rank calls it (it waits for all ranks, up to ``timeout``);
-        then ``torch.distributed.destroy_process_group()`` is safe. It completes the
-        background gather of the last step's timeline, which ``pipe.timeline`` still
-        returns on rank 0 afterwards. The Pipe is not usable afterwards.
+        then ``torch.distributed.destroy_process_group()`` is safe. It sends rank 0 the
+        steps no read of ``pipe.timeline`` gathered, so that ``pipe.timeline`` still
+        returns the last step's on rank 0 afterwards. The Pipe is not usable afterwards.
         ``with Pipe(...) as pipe:`` calls it on leaving the block.
         """
         with self._one_call("pipe.close()"):
@@ -378,10 +369,6 @@ class Pipe(PipeViews, ModelLike):
     def _close(self) -> None:
         if self._runner is not None:
             self._release.detach()
-            try:
-                self._settle_timeline()
-            except PeerError:
-                pass  # the runner's close copes with a broken group
             self._runner.close()
             self._runner = None
         self._closed = True

@@ -6,7 +6,6 @@ build and measured in its steps, and the switch that measures activation memory.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Iterator
 from dataclasses import replace
@@ -36,7 +35,6 @@ class PipeViews:
     _runner: Runner | None
     _timeline: Timeline | None
     _pending: PendingTimeline | None
-    _recent: collections.deque[Timeline]
     _measuring: int
 
     @property
@@ -103,11 +101,6 @@ class PipeViews:
         if pending is not None:
             self._timeline = pending.result()
         return self._timeline
-
-    def _settle_timeline(self) -> None:
-        """Before a step, ``predict()`` or ``close()``: nothing to wait for. No gather is in
-        flight between calls; the runner keeps the recent steps (``Runner.recent_timelines``,
-        which ``predict()`` reads) and ``close()`` gathers what was not read."""
 
     @contextlib.contextmanager
     def measure_memory(self) -> Iterator[None]:

@@ -44,7 +44,7 @@ class StageSteps:
         return cls(
             stage=stage,
             schedule=schedule,
-            steps=comm.stages[stage],
+            steps=tuple(comm.stages[stage]),  # materialised once: iterated every step
             sent=frozenset(op.key for op in comm.sends(stage)),
             kept=frozenset(kept),
             sources=sources,

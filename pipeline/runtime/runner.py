@@ -109,9 +109,15 @@ class Plans:
         self.schedule = schedule
         self.training: CommPlan = comm_plan(schedule, strategy)
         self.forward: CommPlan = comm_plan(forward_only(schedule))
+        self._stages: dict[tuple[int, bool], StageSteps] = {}
 
     def stage(self, stage: int, infer: bool) -> StageSteps:
-        return StageSteps.of(self.forward if infer else self.training, stage)
+        """Stage ``stage``'s steps (forward-only with ``infer``), derived once."""
+        found = self._stages.get((stage, infer))
+        if found is None:
+            found = self._stages[(stage, infer)] = StageSteps.of(
+                self.forward if infer else self.training, stage)
+        return found
 
 
 @contextmanager

@@ -240,7 +240,7 @@ def test_after_a_step_each_stage_computes_as_long_as_it_was_measured_to() -> Non
 
 
 def test_after_several_steps_each_stage_computes_its_median_measured_busy_time() -> None:
-    from pipeline.pipe import RECENT_STEPS
+    from pipeline.runtime.runner import RECENT_STEPS
 
     pipe, x, y = _linear_pipe()
     measured = []
