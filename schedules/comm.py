@@ -80,7 +80,7 @@ from typing import Literal, Union
 
 from schedules._speed import gc_paused
 from schedules.action import Action, Schedule
-from schedules.comm_messages import Messages, find_messages
+from schedules.comm_messages import Messages, Moves, find_messages
 from schedules.comm_ops import CommOp, Group
 from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.flat import flatten
@@ -216,30 +216,26 @@ def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
     return CommPlan(schedule, tuple(stages), strategy)
 
 
-def _plan(schedule: Schedule, stage: int, gaps: dict[int, list[tuple[int, int]]],
-          messages: Messages, channel: int | None = None, together: bool = True) -> PlanSteps:
-    """``stage``'s steps: before action ``i``, the ops of gap ``i`` (one group, or one group
-    per op unless ``together``); after the last action, the last gap's."""
+def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
+          channel: int | None = None, together: bool = True) -> PlanSteps:
+    """``stage``'s steps: before action ``i``, the ops posted in gap ``i`` (one group, or one
+    group per op unless ``together``); after the last action, the last gap's."""
     order = schedule.orders[stage]
     kinds, ends = bytearray(), array("q")
-    moved: list[tuple[int, int]] = []
-    action, count = bytes((ACTION_STEP,)), len(order)
-    last = 0
-    for index in sorted(gaps):
-        ops = gaps[index]
-        if not ops:
+    action, group = bytes((ACTION_STEP,)), GROUP_STEP
+    last, previous = 0, -1
+    for at, gap in enumerate(moves.gaps):
+        if together and gap == previous:
             continue
-        kinds += action * (index - last)  # a gap is at most after the last action
-        last = index
-        moved += ops
-        if together:
-            kinds.append(GROUP_STEP)
-            ends.append(len(moved))
-        else:
-            kinds += bytes((GROUP_STEP,)) * len(ops)
-            ends.extend(range(len(moved) - len(ops) + 1, len(moved) + 1))
-    kinds += action * (count - last)
-    return PlanSteps(bytes(kinds), order, ends, messages.op_arrays(moved, channel))
+        if at:
+            ends.append(at)
+        kinds += action * (gap - last)
+        kinds.append(group)
+        last = previous = gap
+    if moves.gaps:
+        ends.append(len(moves.gaps))
+    kinds += action * (len(order) - last)
+    return PlanSteps(bytes(kinds), order, ends, messages.op_arrays(moves, channel))
 
 
 def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:
@@ -254,7 +250,7 @@ def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSte
                 gaps.setdefault(index + 1, []).append((sends[index], SEND))
             if receives[index] >= 0:
                 gaps.setdefault(index, []).append((receives[index], RECEIVE))
-        plans.append(_plan(schedule, stage, gaps, messages, None if paired else 0,
+        plans.append(_plan(schedule, stage, Moves.of(gaps), messages, None if paired else 0,
                            together=paired))
     return plans
 
@@ -270,12 +266,12 @@ def _ordered(schedule: Schedule, messages: Messages) -> list[PlanSteps]:
             destination = messages.destination[message]
             gaps[stage].setdefault(done[stage], []).append((message, SEND))
             gaps[destination].setdefault(done[destination], []).append((message, RECEIVE))
-    return [_plan(schedule, stage, gaps[stage], messages, together=False)
+    return [_plan(schedule, stage, Moves.of(gaps[stage]), messages, together=False)
             for stage in range(schedule.stages)]
 
 
 def _overlap(schedule: Schedule, messages: Messages) -> list[PlanSteps]:
     """``"overlap"``: the rendezvous simulation of the module docstring, one group per gap."""
-    gaps = Rendezvous([len(order) for order in schedule.order], default_durations(schedule),
-                      messages).run()
-    return [_plan(schedule, stage, gaps[stage], messages) for stage in range(schedule.stages)]
+    moves = Rendezvous([len(order) for order in schedule.order], default_durations(schedule),
+                       messages).run()
+    return [_plan(schedule, stage, moves[stage], messages) for stage in range(schedule.stages)]

@@ -43,24 +43,46 @@ class Messages:
     needs: list[array[int]]
     chunks: int
 
-    def op_arrays(self, moved: list[tuple[int, int]], channel: int | None = None) -> OpArrays:
-        """The ops of ``moved``, ``(message, SEND or RECEIVE)`` each: a send at the message's
-        source, a receive at its destination, on its channel or on ``channel``."""
+    def op_arrays(self, moves: Moves, channel: int | None = None) -> OpArrays:
+        """The ops of ``moves``: a send at the message's source, a receive at its
+        destination, on its channel or on ``channel``."""
         ops = OpArrays()
-        producer, source, destination = self.producer, self.source, self.destination
-        messages = [message for message, _ in moved]
-        ops.kinds = bytearray(kind for _, kind in moved)
+        source, destination, chunks = self.source, self.destination, self.chunks
+        ops.kinds = moves.kinds
         ops.peers = array("q", [destination[message] if kind == SEND else source[message]
-                                for message, kind in moved])
-        ops.channels = (array("q", map(self.channel.__getitem__, messages))
-                        if channel is None else array("q", [channel]) * len(moved))
-        keys = list(map(producer.__getitem__, messages))
-        ops.producer_ops = bytearray(key & 3 for key in keys)
+                                for message, kind in zip(moves.messages, moves.kinds)])
+        ops.channels = (array("q", map(self.channel.__getitem__, moves.messages))
+                        if channel is None else array("q", [channel]) * len(moves.kinds))
+        keys = list(map(self.producer.__getitem__, moves.messages))
+        ops.producer_ops = bytearray([key & 3 for key in keys])
         units = [key >> 2 for key in keys]
-        chunks = self.chunks
         ops.microbatches = array("q", [unit // chunks for unit in units])
         ops.chunks = array("q", [unit % chunks for unit in units])
         return ops
+
+
+class Moves:
+    """One stage's ops, in the order they are posted: per op, the gap it is posted in (the
+    number of actions before it, never decreasing), its message and SEND or RECEIVE."""
+
+    __slots__ = ("gaps", "messages", "kinds")
+
+    def __init__(self) -> None:
+        self.gaps, self.messages, self.kinds = array("q"), array("q"), bytearray()
+
+    def add(self, gap: int, message: int, kind: int) -> None:
+        self.gaps.append(gap)
+        self.messages.append(message)
+        self.kinds.append(kind)
+
+    @classmethod
+    def of(cls, gaps: dict[int, list[tuple[int, int]]]) -> Moves:
+        """The moves of ``gaps``: per gap, its ``(message, kind)`` ops in order."""
+        moves = cls()
+        for gap in sorted(gaps):
+            for message, kind in gaps[gap]:
+                moves.add(gap, message, kind)
+        return moves
 
 
 def find_messages(schedule: Schedule, flat: Flat) -> Messages:

@@ -12,7 +12,7 @@ import heapq
 from collections import defaultdict
 
 from schedules.action import Schedule
-from schedules.comm_messages import Messages
+from schedules.comm_messages import Messages, Moves
 from schedules.plan_steps import RECEIVE, SEND
 
 _UNIT = (1.0, 2.0, 1.0, 1.0)  # simulate's default cost of F, B, I, W (by op code)
@@ -34,7 +34,7 @@ class Rendezvous:
 
     ``position[s]`` is the gap stage s is in, or, while it computes, the gap it will
     reach next (just after the action it runs). ``run`` returns, per stage and gap,
-    the ops that moved there, in the order they moved, as ``(message, SEND or RECEIVE)``.
+    the ops that moved there, in the order they moved, as each stage's ``Moves``.
     """
 
     def __init__(self, lengths: list[int], durations: list[list[float]],
@@ -50,12 +50,11 @@ class Rendezvous:
         self.busy_until = [0.0] * stages
         self.pending: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(stages)]
         self.senders: list[set[int]] = [set() for _ in range(stages)]
-        self.gaps: list[dict[int, list[tuple[int, int]]]] = [
-            defaultdict(list) for _ in range(stages)]
+        self.moves = [Moves() for _ in range(stages)]
         self.heap = [(0.0, stage, stage) for stage in range(stages)]
         self.tick = stages
 
-    def run(self) -> list[dict[int, list[tuple[int, int]]]]:
+    def run(self) -> list[Moves]:
         heap, in_gap, position = self.heap, self.in_gap, self.position
         out, destination_of = self.messages.out, self.messages.destination
         pending, senders = self.pending, self.senders
@@ -85,7 +84,7 @@ class Rendezvous:
         if not all(self.done):  # cannot happen for a validated schedule
             stuck = [stage for stage, done in enumerate(self.done) if not done]
             raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
-        return self.gaps
+        return self.moves
 
     def _deliver(self, stage: int, touched: set[int]) -> None:
         """Move every message between ``stage`` and peers also in a gap; add them to touched."""
@@ -100,11 +99,11 @@ class Rendezvous:
 
     def _move(self, source: int, destination: int) -> None:
         messages = self.pending[source].pop(destination)
-        sends = self.gaps[source][self.position[source]]
-        receives = self.gaps[destination][self.position[destination]]
+        sends, receives = self.moves[source], self.moves[destination]
+        sent_at, received_at = self.position[source], self.position[destination]
         for message in messages:
-            sends.append((message, SEND))
-            receives.append((message, RECEIVE))
+            sends.add(sent_at, message, SEND)
+            receives.add(received_at, message, RECEIVE)
             self.moved[message] = 1
         self.senders[destination].discard(source)
 
