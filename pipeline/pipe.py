@@ -46,13 +46,14 @@ class Pipe(PipeViews, ModelLike):
     stage r.
 
     Args:
-        model: an ``nn.Sequential`` (its layers are cut into stages), or any other
-            ``nn.Module``, traced once with ``sample`` and cut into units (``pipe.units``):
+        model: an ``nn.Sequential`` (its layers are the units cut into stages), or any
+            other ``nn.Module``, traced with ``sample`` and cut into units (``pipe.units``):
             the prologue, each block of its main run of same-class blocks, the
-            epilogue. Its modules are moved to the stages' devices in place, so
+            epilogue. Either way it becomes a ``units.Cut`` (``pipe.cut``), whose keys are
+            the model's own. Its modules are moved to the stages' devices in place, so
             ``model.state_dict()`` keeps its keys and tensors, and its parameters are the
-            ones that train. ``pipe.model`` is the ``nn.Sequential`` that runs (for a
-            traced model, of ``units.Unit``); ``pipe.source_model`` the model given.
+            ones that train. ``pipe.model`` is the ``nn.Sequential`` that runs
+            (``pipe.cut.units``); ``pipe.source_model`` the model given.
         chunks: micro-batches per step (torchgpipe's name for them), or ``"auto"``.
             With ``chunks="auto"`` or ``schedule="auto"``, ``partitioners.plan_for_model``
             profiles ``sample`` and picks the fastest predicted schedule, micro-batch
@@ -132,7 +133,7 @@ class Pipe(PipeViews, ModelLike):
                                 schedule_options=schedule_options,
                                 traced_sample=None if isinstance(model, nn.Sequential) else inputs)
         self.source_model = check_model(model)
-        self.cut: Cut = cut_of(self.source_model, inputs, units)
+        self.cut: Cut = cut_of(self.source_model, inputs, units)  # what every model becomes
         self.model = self.cut.units
         self.cut.ties  # noqa: B018 - read while every rank still holds every layer
         self.timeout, self._closed, self._distributed = timeout, False, settings

@@ -93,11 +93,12 @@ def _zero_through(output: Any, loss: torch.Tensor) -> torch.Tensor:
     return zero
 
 
-def own_loss_rule(model: nn.Module, traced: bool, sample: Any) -> LossRule | None:
-    """The rule for a Pipe built without ``loss_fn`` whose model was traced with a sample
-    holding ``labels``: micro-batch losses weighted by their share of the counted labels.
-    None where that does not hold (the Pipe then needs a ``loss_fn`` to train)."""
-    if not traced or labels_of(sample[0] if isinstance(sample, list) else sample) is None:
+def own_loss_rule(model: nn.Module, as_written: bool, sample: Any) -> LossRule | None:
+    """The rule for a Pipe built without ``loss_fn`` whose model takes the batch as it is
+    written (``Cut.takes_batch_as_written``: a traced model) and a sample holding
+    ``labels``: micro-batch losses weighted by their share of the counted labels. None
+    where that does not hold (the Pipe then needs a ``loss_fn`` to train)."""
+    if not as_written or labels_of(sample[0] if isinstance(sample, list) else sample) is None:
         return None
     count = LabelCount(shifts_labels(model))
     return LossRule(OwnLoss(count), count, shares=True)
