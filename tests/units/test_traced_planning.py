@@ -85,9 +85,9 @@ def test_the_command_and_the_pipe_cut_and_price_one_way(tmp_path: Path,
         assert pipe.plan.split_backward == "graph"
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "partitioners" / "cli"))
     monkeypatch.chdir(tmp_path)
-    status = main(["cli_factories:tiny_llama", "--input-shape", "4,12", "--dtype", "long",
-                   "--stages", "2", "--schedule", "auto", "--chunks", "2", "--threads", "1",
-                   "--repeat", "1", "--no-progress", "--split-backward", "graph",
+    status = main(["cli_factories:mlp", "--input-shape", "8,32", "--stages", "2",
+                   "--schedule", "auto", "--chunks", "2", "--threads", "1", "--repeat", "1",
+                   "--warmup", "0", "--no-progress", "--split-backward", "graph",
                    "--json", "o.json"])
     assert status == 0
     data = json.loads((tmp_path / "o.json").read_text())
