@@ -22,18 +22,14 @@ from pipeline.group.collectives import all_reduce, barrier
 from pipeline.group.process_groups import clock_offset
 from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
 from pipeline.runtime.grad_norm import clip_spread_grads
-from pipeline.runtime.executor import StepInputs, StepMeter, run_stage
+from pipeline.runtime.executor import StageResult, StepInputs, StepMeter, run_stage
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.step_times import StepTimes
 from pipeline.group.distributed import TensorParallel
 from pipeline.runtime.tensor_parallel import parallelize, send_shards
-from pipeline.runtime.runner import (
-    Plans,
-    PendingTimeline,
-    propagate_input_grads,
-    step_of,
-)
+from pipeline.runtime.rank_share import rank_share
+from pipeline.runtime.runner import PendingTimeline, propagate_input_grads, step_of
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
 from pipeline.compute.dtensors import is_dtensor
 from pipeline.errors import PeerError
@@ -103,13 +99,11 @@ class DistRunner:
         devices = [device] * schedule.stages
         self.chunks = build_chunks(model, balance, schedule, devices, [self.stage], make_chunk)
         self.timeout = timeout
-        self.plans = Plans(schedule)
-        self.training_plan = self.plans.stage(self.stage, infer=False)
-        self.forward_plan = self.plans.stage(self.stage, infer=True)
-        channels = sorted(set(self.plans.training.channels) | set(self.plans.forward.channels))
+        # This stage's steps only: the whole plans are derived, proven and dropped there.
+        self.share = rank_share(schedule, self.stage)
         self.transport = make_transport(
-            transport, group, self.stage_ranks, self.stage, device, schedule.chunks, channels,
-            timeout,
+            transport, group, self.stage_ranks, self.stage, device, schedule.chunks,
+            list(self.share.channels), timeout,
         )
         self.clock_offset = clock_offset(group, timeout, device)
         self.times = StepTimes(schedule, self.stage, group, device, timeout, self.clock_offset)
@@ -177,13 +171,13 @@ class DistRunner:
                 f"call pipe.close(), destroy the process group and build a new one and a new Pipe"
             )
 
-    def _run(self, plan: Any, step_inputs: StepInputs, infer: bool) -> Any:
+    def _run(self, step_inputs: StepInputs, infer: bool) -> StageResult:
         self._check_usable()
         meter = None if infer else self.meter
+        plan = self.share.steps(infer)
         beginning = time.perf_counter()
         self._calls += 1
-        self.transport.begin_step(self.plans.forward if infer else self.plans.training, self.stage,
-                                  call_stamp(self._calls, not infer))
+        self.transport.begin_step(plan.comm, self.stage, call_stamp(self._calls, not infer))
         if meter is not None:  # posting the first receives
             meter.post += time.perf_counter() - beginning
         try:
@@ -238,7 +232,7 @@ class DistRunner:
         step_inputs = StepInputs.on(inputs, targets, weights, schedule, self.device, self.device)
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
         with step_of(self.chunks.values(), schedule):
-            result = self._run(self.training_plan, step_inputs, infer=False)
+            result = self._run(step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
         if self.tracker.measuring:
             self.memory = (self.tracker.report(),)
@@ -293,7 +287,7 @@ class DistRunner:
         self.data_parallel.begin_forward_only()
         try:
             with step_of(self.chunks.values(), schedule), torch.no_grad():
-                result = self._run(self.forward_plan, step_inputs, infer=True)
+                result = self._run(step_inputs, infer=True)
         finally:
             self.data_parallel.after_forward_only()
         if self.stage != schedule.placement[-1]:

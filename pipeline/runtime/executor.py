@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
 
-from schedules import Action, CommPlan, Event, Group, Op, Schedule
+from schedules import CommPlan, Event, Group, Schedule
+from schedules.action import CODE_B, CODE_F, CODE_W, OP_CODES, OPS, StageOrder
 from schedules.dependencies import ActionKey, received
+from schedules.plan_steps import GROUP_STEP, SEND, PlanSteps
 
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.microbatch import to_device
@@ -19,55 +22,105 @@ from pipeline.runtime.loss_carrier import LossCarrier
 from pipeline.transports.base import Payload, Transport
 
 
-@dataclass(frozen=True)
-class StageSteps:
-    """One stage's part of a comm plan: its steps, and which results it sends or keeps.
+NO_SOURCE = 255  # ``StageSteps.source_ops`` of an action that receives nothing
 
-    Derived from ``schedules.comm_plan``, the single place that turns a schedule
-    into sends and receives.
+
+@dataclass(frozen=True, eq=False)
+class StageSteps:
+    """One stage's part of a comm plan: its steps, and where each action's result comes from
+    and goes, as arrays.
+
+    Derived from ``schedules.comm_plan``, the single place that turns a schedule into sends
+    and receives. A stage of a 64-stage timetable runs 10^4 actions a step, for the life of
+    the process: an object (or a prepared closure) per step would cost every full garbage
+    collection a scan of all of them, so the steps stay ``PlanSteps`` arrays and the
+    per-action facts are byte and integer arrays indexed like ``steps.actions`` (the
+    stage's order). ``run_stage`` reads them; an ``Action`` or ``Group`` is made when a step
+    runs.
+
+    Attributes:
+        stage: the stage.
+        steps: its steps (``Action`` and ``Group``), as arrays.
+        comm: the comm plan as this stage sees it, for ``Transport.begin_step``: its own
+            steps, every other stage's empty (a transport reads only its own stage's).
+        sent: per action, 1 where its result is sent to another stage.
+        kept: per action, 1 where a later chunk on this same stage consumes its result.
+        source_ops: per action, the op code (``schedules.OPS``) of the result it starts from
+            (``dependencies.received``: same micro-batch, chunk ``source_chunks``), or
+            ``NO_SOURCE``: chunk 0's forward (the caller's input), the last chunk's backward
+            (the loss), a W (its own I).
+        source_chunks: per action, that result's chunk.
+        source_here: per action, 1 where that result is produced on this stage.
     """
 
     stage: int
-    schedule: Schedule
-    steps: tuple[Action | Group, ...]
-    sent: frozenset[ActionKey]  # results sent to another stage
-    kept: frozenset[ActionKey]  # results consumed by a later chunk on this same stage
-    # per action of the stage: the result it starts from (``dependencies.received``)
-    sources: dict[ActionKey, ActionKey | None] = field(default_factory=dict, compare=False)
+    steps: PlanSteps
+    comm: CommPlan
+    sent: bytes
+    kept: bytes
+    source_ops: bytes
+    source_chunks: array[int]
+    source_here: bytes
 
     @classmethod
     def of(cls, comm: CommPlan, stage: int) -> StageSteps:
+        """Stage ``stage``'s part of ``comm`` (a plan of every stage).
+
+        Raises:
+            ValueError: the stage's steps are not ones arrays can hold (``PlanSteps``).
+        """
         schedule = comm.schedule
-        sources = {_key(action): received(schedule, action) for action in schedule.order[stage]}
-        kept = {source for source in sources.values()
-                if source is not None and schedule.placement[source[2]] == stage}
-        return cls(
-            stage=stage,
-            schedule=schedule,
-            steps=tuple(comm.stages[stage]),  # materialised once: iterated every step
-            sent=frozenset(op.key for op in comm.sends(stage)),
-            kept=frozenset(kept),
-            sources=sources,
-        )
+        steps = PlanSteps.of(comm.stages[stage])
+        if steps is None:
+            raise ValueError(f"stage {stage}'s steps in the {comm.strategy} comm plan are not "
+                             f"Actions and Groups of CommOps; expected a comm_plan's steps")
+        actions = steps.actions
+        position = {key: at for at, key in enumerate(_keys(actions))}
+        ops = steps.ops
+        sent = bytearray(len(actions))
+        for at in range(len(ops.kinds)):
+            if ops.kinds[at] == SEND:
+                sent[position[(OPS[ops.producer_ops[at]], ops.microbatches[at],
+                               ops.chunks[at])]] = 1
+        kept = bytearray(len(actions))
+        source_ops = bytearray([NO_SOURCE]) * len(actions)
+        source_chunks, source_here = array("q", bytes(8 * len(actions))), bytearray(len(actions))
+        for at, action in enumerate(actions):
+            source = received(schedule, action)
+            if source is None:
+                continue
+            source_ops[at], source_chunks[at] = OP_CODES[source[0]], source[2]
+            if schedule.placement[source[2]] == stage:
+                source_here[at] = 1
+                kept[position[source]] = 1
+        return cls(stage, steps, _stage_view(comm, stage), bytes(sent), bytes(kept),
+                   bytes(source_ops), source_chunks, bytes(source_here))
 
     @property
-    def actions(self) -> tuple[Action, ...]:
-        return self.schedule.order[self.stage]
+    def actions(self) -> StageOrder:
+        """The stage's actions, in order."""
+        return self.steps.actions
 
     @cached_property
     def owned(self) -> frozenset[int]:
-        return frozenset(action.chunk for action in self.actions)
-
-    def compiled(self, infer: bool) -> tuple[Operation, ...]:
-        """The steps as prepared operations (``compile_plan``), compiled once per mode."""
-        cache = self.__dict__.setdefault("_compiled", {})
-        if infer not in cache:
-            cache[infer] = compile_plan(self, infer)
-        return cache[infer]  # type: ignore[no-any-return]
+        """The model chunks this stage runs."""
+        return frozenset(self.steps.actions.chunks)
 
 
-def _key(action: Action) -> ActionKey:
-    return (action.op, action.microbatch, action.chunk)
+def _keys(actions: StageOrder) -> Iterator[ActionKey]:
+    for code, microbatch, chunk in zip(actions.ops, actions.microbatches, actions.chunks):
+        yield (OPS[code], microbatch, chunk)
+
+
+def _stage_view(comm: CommPlan, stage: int) -> CommPlan:
+    """``comm`` as ``stage`` sees it: its own order and steps, every other stage's empty, so
+    that what a rank keeps does not grow with the stages."""
+    schedule, empty = comm.schedule, StageOrder.of(())
+    orders = tuple(schedule.order[s] if s == stage else empty for s in range(schedule.stages))
+    view = Schedule(schedule.stages, schedule.microbatches, orders, schedule.placement,
+                    schedule.name, schedule.forward_only)
+    return CommPlan(view, tuple(comm.stages[s] if s == stage else ()
+                                for s in range(schedule.stages)), comm.strategy)
 
 
 @dataclass
@@ -158,8 +211,8 @@ def run_stage(
     With ``infer`` (a forward-only plan, for ``Pipe.__call__``) the forwards keep
     nothing for a backward and the last chunk's outputs are returned, not losses.
     An action's event spans its compute only: waiting for an input counts as idle.
-    The plan is compiled once (``StageSteps.compiled``) into prepared operations, each
-    with what it fetches, runs and delivers resolved; a step only calls them in turn.
+    The steps are read from the plan's arrays (``StageSteps``); an action's ``Action``
+    (for its event) and a group's ``Group`` (for the transport) are made as they run.
     With ``carry_loss`` (this stage's device; every stage of the step must pass it) the
     backward messages carry the batch loss (``LossCarrier``) and ``result.loss_known``
     ends as ``[micro-batches counted, their loss sum]``.
@@ -178,8 +231,20 @@ def run_stage(
     if meter is not None:
         run.take = _timed(transport.take, meter, "wait")
         run.post = _timed(transport.post, meter, "post")
-    for operation in plan.compiled(infer):
-        operation(run)
+    steps = plan.steps
+    kinds, slots, codes = steps.kinds, steps.slots, steps.actions.ops
+    for at in range(len(kinds)):
+        slot = slots[at]
+        if kinds[at] == GROUP_STEP:
+            _post(run, steps.group(slot))
+            continue
+        code = codes[slot]
+        if code == CODE_F:
+            _forward(run, slot)
+        elif code == CODE_W:
+            _weight(run, slot)
+        else:
+            _backward(run, slot, code)
     if run.carrier is not None:
         run.result.loss_known = run.carrier.known
     if meter is not None:
@@ -221,133 +286,90 @@ class _StageRun:
         self.carrier: LossCarrier | None = None
 
 
-Operation = Callable[[_StageRun], None]
+def _fetch(run: _StageRun, slot: int, microbatch: int) -> Payload:
+    """The result action ``slot`` starts from: kept on this stage, or taken from a peer."""
+    plan = run.plan
+    key = (OPS[plan.source_ops[slot]], microbatch, plan.source_chunks[slot])
+    if plan.source_here[slot]:
+        return run.kept.pop(key)
+    return run.take(key)
 
 
-def _fetcher(key: ActionKey, kept_here: bool) -> Callable[[_StageRun], Payload]:
-    """How an action gets a result: from this stage (a later chunk of it) or from a peer."""
-    if kept_here:
-        return lambda run: run.kept.pop(key)
-    return lambda run: run.take(key)
-
-
-def _deliverer(plan: StageSteps, action: Action) -> Callable[[_StageRun, Payload], None]:
+def _deliver(run: _StageRun, slot: int, code: int, microbatch: int, chunk: int,
+             produced: Payload) -> None:
     """Where an action's result goes: to a peer (a backward's with the loss row, when the
     step carries the loss), to a later chunk of this stage, or both."""
-    key = _key(action)
-    sent, kept = key in plan.sent, key in plan.kept
-    backward = action.op is not Op.F
-
-    def deliver(run: _StageRun, produced: Payload) -> None:
-        if sent:
-            carrier = run.carrier
-            run.outgoing[key] = produced if carrier is None or not backward \
-                else carrier.attach(produced)
-        if kept:
-            run.kept[key] = produced
-
-    return deliver
+    plan = run.plan
+    key = (OPS[code], microbatch, chunk)
+    if plan.sent[slot]:
+        carrier = run.carrier
+        run.outgoing[key] = produced if carrier is None or code == CODE_F \
+            else carrier.attach(produced)
+    if plan.kept[slot]:
+        run.kept[key] = produced
 
 
-def _compile_group(group: Group) -> Operation:
-    sends = tuple(op.key for op in group.ops if op.kind == "send")
-
-    def post(run: _StageRun) -> None:
-        outgoing = run.outgoing
-        run.post(group, {key: outgoing.pop(key) for key in sends})
-
-    return post
+def _post(run: _StageRun, group: Group) -> None:
+    outgoing = run.outgoing
+    run.post(group, {op.key: outgoing.pop(op.key) for op in group.ops if op.kind == "send"})
 
 
-def _compile_forward(plan: StageSteps, action: Action, infer: bool, kept: frozenset[ActionKey]
-                     ) -> Operation:
-    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-    received_key = plan.sources[_key(action)]
-    source = None if received_key is None else _fetcher(received_key, received_key in kept)
-    deliver = _deliverer(plan, action)
-
-    def forward(run: _StageRun) -> None:
-        chunk = run.chunks[index]
-        is_last = chunk.spec.is_last
-        if source is None:
-            inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
-        else:
-            inputs = source(run)
-        if infer:
-            start = run.clock()
-            produced = chunk.infer(microbatch, inputs)
-            run.events.append(Event(stage, action, start, run.clock()))
-            if is_last:
-                run.result.outputs[microbatch] = produced
-            else:
-                deliver(run, produced)
-            return
-        target = run.step_inputs.targets[microbatch] if is_last else None  # type: ignore[index]
-        weight = run.step_inputs.weights[microbatch]
+def _forward(run: _StageRun, slot: int) -> None:
+    actions = run.plan.steps.actions
+    microbatch, index = actions.microbatches[slot], actions.chunks[slot]
+    chunk = run.chunks[index]
+    is_last = chunk.spec.is_last
+    if run.plan.source_ops[slot] == NO_SOURCE:
+        inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
+    else:
+        inputs = _fetch(run, slot, microbatch)
+    if run.infer:
         start = run.clock()
-        produced = chunk.forward(microbatch, inputs, target, weight)
-        run.events.append(Event(stage, action, start, run.clock()))
+        produced = chunk.infer(microbatch, inputs)
+        run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
         if is_last:
-            run.result.losses[microbatch] = produced
-            if run.carrier is not None:
-                run.carrier.add(produced)
+            run.result.outputs[microbatch] = produced
         else:
-            deliver(run, produced)
+            _deliver(run, slot, CODE_F, microbatch, index, produced)
+        return
+    target = run.step_inputs.targets[microbatch] if is_last else None  # type: ignore[index]
+    weight = run.step_inputs.weights[microbatch]
+    start = run.clock()
+    produced = chunk.forward(microbatch, inputs, target, weight)
+    run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
+    if is_last:
+        run.result.losses[microbatch] = produced
+        if run.carrier is not None:
+            run.carrier.add(produced)
+    else:
+        _deliver(run, slot, CODE_F, microbatch, index, produced)
 
-    return forward
 
-
-def _compile_backward(plan: StageSteps, action: Action, kept: frozenset[ActionKey]) -> Operation:
-    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-    source = None
-    from_peer = False
-    later = plan.sources[_key(action)]
-    if later is not None:  # else the loss is the root
-        from_peer = later not in kept
-        source = _fetcher(later, not from_peer)
-    split = action.op is not Op.B
-    deliver = _deliverer(plan, action)
-
-    def backward(run: _StageRun) -> None:
-        chunk = run.chunks[index]
-        grads = None if source is None else source(run)
-        if from_peer and run.carrier is not None:
+def _backward(run: _StageRun, slot: int, code: int) -> None:
+    plan = run.plan
+    actions = plan.steps.actions
+    microbatch, index = actions.microbatches[slot], actions.chunks[slot]
+    chunk = run.chunks[index]
+    grads = None  # the last chunk's: the loss is the root
+    if plan.source_ops[slot] != NO_SOURCE:
+        grads = _fetch(run, slot, microbatch)
+        if not plan.source_here[slot] and run.carrier is not None:
             grads = run.carrier.detach(grads)
-        start = run.clock()
-        if split:
-            produced = chunk.backward_input(microbatch, grads)
-        else:
-            produced = chunk.backward(microbatch, grads)
-        run.events.append(Event(stage, action, start, run.clock()))
-        if not chunk.spec.is_first:
-            deliver(run, produced)
-        elif any(grad is not None for grad in produced):
-            run.result.input_grads[microbatch] = produced
-
-    return backward
+    start = run.clock()
+    if code == CODE_B:
+        produced = chunk.backward(microbatch, grads)
+    else:
+        produced = chunk.backward_input(microbatch, grads)
+    run.events.append(Event(plan.stage, actions[slot], start, run.clock()))
+    if not chunk.spec.is_first:
+        _deliver(run, slot, code, microbatch, index, produced)
+    elif any(grad is not None for grad in produced):
+        run.result.input_grads[microbatch] = produced
 
 
-def _compile_weight(plan: StageSteps, action: Action) -> Operation:
-    stage, microbatch, index = plan.stage, action.microbatch, action.chunk
-
-    def weight(run: _StageRun) -> None:
-        start = run.clock()
-        run.chunks[index].backward_weight(microbatch)
-        run.events.append(Event(stage, action, start, run.clock()))
-
-    return weight
-
-
-def compile_plan(plan: StageSteps, infer: bool) -> tuple[Operation, ...]:
-    """``plan.steps`` as prepared operations, each a callable of the step's ``_StageRun``."""
-    operations: list[Operation] = []
-    for step in plan.steps:
-        if isinstance(step, Group):
-            operations.append(_compile_group(step))
-        elif step.op is Op.F:
-            operations.append(_compile_forward(plan, step, infer, plan.kept))
-        elif step.op is Op.W:
-            operations.append(_compile_weight(plan, step))
-        else:
-            operations.append(_compile_backward(plan, step, plan.kept))
-    return tuple(operations)
+def _weight(run: _StageRun, slot: int) -> None:
+    actions = run.plan.steps.actions
+    microbatch = actions.microbatches[slot]
+    start = run.clock()
+    run.chunks[actions.chunks[slot]].backward_weight(microbatch)
+    run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))

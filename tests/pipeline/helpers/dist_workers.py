@@ -388,14 +388,13 @@ def naive_plan_under_nccl_rules(rank: int, world: int) -> Any:
     """The posting order the runtime used before comm plans: it must hang under NCCL's rules
     (and the timeout must turn the hang into a PeerError on every rank)."""
     from pipeline import Distributed, PeerError, Pipe
-    from pipeline.runtime.runner import Plans
+    from pipeline.runtime.rank_share import rank_share
 
     x, y = batch()
     pipe = Pipe(deep_mlp(), chunks=4, schedule="1f1b", loss_fn=nn.MSELoss(),
                 distributed=Distributed(dist.group.WORLD, transport="ordered"), timeout=3.0)
     runner = pipe._runner
-    runner.plans = Plans(pipe.schedule, "naive")
-    runner.training_plan = runner.plans.stage(rank, infer=False)
+    runner.share = rank_share(pipe.schedule, rank, strategy="naive", prove=False)
     started = time.monotonic()
     try:
         pipe.step(x if rank == 0 else None, y if rank == world - 1 else None)
