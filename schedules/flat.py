@@ -81,23 +81,27 @@ def flatten(schedule: Schedule) -> Flat:
     return flat
 
 
-def replay_stages(schedule: Schedule, flat: Flat) -> array[int]:
-    """The stage of each action in an order that respects dependencies and stage order.
+def replay_stages(schedule: Schedule, flat: Flat) -> tuple[array[int], array[int]]:
+    """An order of the actions that respects dependencies and stage order, as runs.
 
     Each stage runs its list in order and waits at an action whose inputs are not yet
-    produced; the n-th entry is the stage that runs next. Stops early if every stage is
-    waiting (a deadlock): then it is shorter than the schedule. Linear in the actions.
+    produced: run n is ``counts[n]`` actions of stage ``stages[n]``, the next ones in its
+    order. Stops early if every stage is waiting (a deadlock): then the counts sum to less
+    than the schedule's actions. Linear in the actions.
+
+    Returns:
+        ``(stages, counts)``, one entry per run.
     """
     done = bytearray(flat.size)
     positions = [0] * schedule.stages
     waiting: dict[int, list[int]] = {}
     ready = deque(range(schedule.stages))
-    ran = array("l")
-    append = ran.append
+    stages, counts = array("l"), array("l")
     while ready:
         stage = ready.popleft()
         keys, first, second = flat.keys[stage], flat.first[stage], flat.second[stage]
-        position, count = positions[stage], len(keys)
+        position = began = positions[stage]
+        count = len(keys)
         while position < count:
             needed = first[position]
             if needed >= 0 and not done[needed]:
@@ -110,8 +114,10 @@ def replay_stages(schedule: Schedule, flat: Flat) -> array[int]:
             key = keys[position]
             done[key] = 1
             position += 1
-            append(stage)
             if key in waiting:
                 ready.extend(waiting.pop(key))
+        if position > began:
+            stages.append(stage)
+            counts.append(position - began)
         positions[stage] = position
-    return ran
+    return stages, counts

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from functools import reduce
+from operator import add
 
 from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
-from schedules.action import CODE_F, OPS, Action, Op, Schedule
+from schedules.action import OP_CODES, OPS, Op, Schedule
 from schedules.cost_values import checked_value
 from schedules.costs import Comm, Costs, ResolvedCosts
-from schedules.flat import flatten
-from schedules.timeline import Event, MemoryTrace, Timeline
-from schedules.validate import feasible_order
+from schedules.events import StageColumns
+from schedules.flat import Flat, flatten
+from schedules.timeline import MemoryTrace, Timeline
+from schedules.validate import feasible_runs
 
 Cost = float | Sequence[float]
 
@@ -70,11 +73,13 @@ def simulate(
                 f"{', '.join(given)}=); put them in the Costs instead"
             )
     table = costs.resolve(schedule)
-    feasible = feasible_order(schedule)  # validates the schedule, once
+    runs = feasible_runs(schedule)  # validates the schedule, once
     with gc_paused():
-        per_stage, busy = _replay(schedule, table, feasible)
-        memory = () if table.activation_bytes is None else _memory_traces(per_stage, table)
-    return Timeline._from_stage_events(
+        per_stage, busy = _replay(schedule, table, runs)
+        memory = () if table.activation_bytes is None else _memory_traces(
+            [zip(stage.order.ops, stage.order.microbatches, stage.order.chunks, stage.starts,
+                 stage.ends) for stage in per_stage], table)
+    return Timeline.from_columns(
         per_stage,
         chunks_per_stage=tuple(len(chunks) for chunks in schedule.chunks_of_stage),
         name=f"{schedule.name} (simulated)",
@@ -106,68 +111,88 @@ def _keyword_costs(
 
 
 def _replay(
-    schedule: Schedule, table: ResolvedCosts, feasible: array[int]
-) -> tuple[list[list[Event]], list[float]]:
-    """Each stage's events, in its order, and each stage's busy time: the hot loop.
+    schedule: Schedule, table: ResolvedCosts, runs: tuple[array[int], array[int]]
+) -> tuple[list[StageColumns], list[float]]:
+    """Each stage's actions with their starts and ends, and each stage's busy time.
 
-    Written for speed (10^6 actions): it walks the feasible order on the schedule's
-    arrays (``schedules.flat``), locals only, no calls per action but for building the
-    Action and the Event.
+    The hot loop, written for speed (10^6 actions): it walks the feasible order run by run
+    (a stage's locals fetched once a run) on the schedule's arrays (``schedules.flat``), each
+    action's cost and hops looked up beforehand (``_action_costs``); no call and no object
+    per action but the start it stores.
     """
     flat = flatten(schedule)
-    durations = [[per_op[op] for op in OPS] for per_op in _durations(table)]  # [chunk][code]
-    # The hop into a forward comes from chunk c-1, into a B's or I's from chunk c+1.
-    before = [row.get(chunk - 1) for chunk, row in enumerate(table.hops)]
-    after = [row.get(chunk + 1) for chunk, row in enumerate(table.hops)]
-    ends = [0.0] * flat.size
+    ends = [0.0] * flat.size  # by key
     positions = [0] * schedule.stages
     stage_free = [0.0] * schedule.stages
-    busy = [0.0] * schedule.stages
-    per_stage: list[list[Event]] = [[] for _ in range(schedule.stages)]
-    appends = [events.append for events in per_stage]
-    new, event_type, action_type, ops = object.__new__, Event, Action, OPS
-    columns = [(order.ops, order.microbatches, order.chunks, keys, first, second)
-               for order, keys, first, second in zip(schedule.orders, flat.keys, flat.first,
-                                                     flat.second)]
-    for stage in feasible:
+    starts = [[0.0] * len(order) for order in schedule.orders]
+    costs = _action_costs(schedule, table, flat)
+    columns = [(keys, first, second, durations, first_hops, second_hops, stage_starts)
+               for keys, first, second, (durations, first_hops, second_hops), stage_starts
+               in zip(flat.keys, flat.first, flat.second, costs, starts)]
+    for stage, count in zip(*runs):
+        keys, first, second, durations, first_hops, second_hops, stage_starts = columns[stage]
         position = positions[stage]
-        positions[stage] = position + 1
-        codes, microbatches, chunks, keys, first, second = columns[stage]
-        code, microbatch, chunk = codes[position], microbatches[position], chunks[position]
-        start = stage_free[stage]
-        needed = first[position]
-        if needed >= 0:
-            arrival = ends[needed]
-            if code == CODE_F:
-                hop = before[chunk]
-                if hop is not None:
-                    arrival += hop[microbatch]
-            if arrival > start:
-                start = arrival
-            needed = second[position]
+        stop = positions[stage] = position + count
+        end = stage_free[stage]
+        for at in range(position, stop):
+            start = end
+            needed = first[at]
             if needed >= 0:
-                arrival = ends[needed]
-                hop = after[chunk]
-                if hop is not None:
-                    arrival += hop[microbatch]
+                arrival = ends[needed] + first_hops[at]
                 if arrival > start:
                     start = arrival
-        duration = durations[chunk][code][microbatch]
-        end = start + duration
-        ends[keys[position]] = end
+                needed = second[at]
+                if needed >= 0:
+                    arrival = ends[needed] + second_hops[at]
+                    if arrival > start:
+                        start = arrival
+            end = start + durations[at]
+            ends[keys[at]] = end
+            stage_starts[at] = start
         stage_free[stage] = end
-        busy[stage] += duration
-        # Action(op, microbatch, chunk) and Event(stage, action, start, end) without the
-        # frozen __init__'s checks and setattr calls.
-        action = new(action_type)
-        fields = action.__dict__
-        fields["op"], fields["microbatch"], fields["chunk"] = ops[code], microbatch, chunk
-        event = new(event_type)
-        fields = event.__dict__
-        fields["stage"], fields["action"], fields["start"], fields["end"] = (
-            stage, action, start, end)
-        appends[stage](event)
+    per_stage = [StageColumns(order, array("d", stage_starts),
+                              array("d", map(ends.__getitem__, keys)))
+                 for order, stage_starts, keys in zip(schedule.orders, starts, flat.keys)]
+    # Summed in stage order, left to right, as a running total would.
+    busy = [reduce(add, durations, 0.0) for durations, _, _ in costs]
     return per_stage, busy
+
+
+def _action_costs(schedule: Schedule, table: ResolvedCosts, flat: Flat
+                  ) -> list[tuple[list[float], list[float], list[float]]]:
+    """Per stage and action: its duration, the hop into its first input (a forward's, from
+    chunk c-1) and into its second (a B's or I's gradient, from chunk c+1); 0 for none.
+
+    When no cost varies with the micro-batch (no scale, no recomputation, hops of one size),
+    each depends only on the action's chunk and op, ``key % (4 * chunks)``: three lookups
+    by key at C speed instead of a Python step per action.
+    """
+    per_chunk = _durations(table)  # [chunk][op][microbatch]
+    before = [row.get(chunk - 1) for chunk, row in enumerate(table.hops)]
+    after = [row.get(chunk + 1) for chunk, row in enumerate(table.hops)]
+    zero = (0.0,) * len(table.scale)
+    tables = [[per_chunk[chunk][op] for op in OPS] for chunk in range(schedule.chunks)]
+    # [chunk][code] -> per micro-batch: the duration, the first and the second hop
+    first_hops = [[before[chunk] or zero if op is OP_F else zero for op in OPS]
+                  for chunk in range(schedule.chunks)]
+    second_hops = [[after[chunk] or zero if op is OP_B or op is OP_I else zero for op in OPS]
+                   for chunk in range(schedule.chunks)]
+    lookups = [[values for row in rows for values in row]
+               for rows in (tables, first_hops, second_hops)]
+    if all(values.count(values[0]) == len(values) for found in lookups for values in found):
+        width = 4 * schedule.chunks
+        constants = [[values[0] for values in found] for found in lookups]
+        result = []
+        for keys in flat.keys:
+            residues = list(map(width.__rmod__, keys))
+            result.append(tuple(list(map(constant.__getitem__, residues))
+                                for constant in constants))
+        return result  # type: ignore[return-value]
+    return [tuple([found[chunk * 4 + code][microbatch]  # type: ignore[misc]
+                   for code, microbatch, chunk in zip(order.ops, order.microbatches,
+                                                      order.chunks)]
+                  for found in lookups)
+            for order in schedule.orders]
 
 
 def _durations(table: ResolvedCosts) -> list[dict[Op, Sequence[float]]]:
@@ -215,37 +240,41 @@ def memory_traces(timeline: Timeline, table: ResolvedCosts) -> tuple[MemoryTrace
     if len(table.fixed_bytes) != timeline.stages:
         raise ValueError(f"memory_traces: expected costs resolved for {timeline.stages} stages "
                          f"(the timeline's), got {len(table.fixed_bytes)}")
-    per_stage = [timeline.stage_events(stage) for stage in range(timeline.stages)]
+    per_stage = [[(OP_CODES[event.action.op], event.action.microbatch, event.action.chunk,
+                   event.start, event.end) for event in timeline.stage_events(stage)]
+                 for stage in range(timeline.stages)]
     return _memory_traces(per_stage, table, timeline.start)
 
 
 def _memory_traces(
-    per_stage: Sequence[Sequence[Event]], table: ResolvedCosts, origin: float = 0.0
+    per_stage: Iterable[Iterable[tuple[int, int, int, float, float]]], table: ResolvedCosts,
+    origin: float = 0.0,
 ) -> tuple[MemoryTrace, ...]:
+    """``memory_traces`` on each stage's ``(op code, micro-batch, chunk, start, end)``."""
     saved, kept = table.activation_bytes or (), table.input_bytes
     for_weights = table.weight_bytes or saved
     traces = []
     for stage, events in enumerate(per_stage):
         held = table.fixed_bytes[stage]
         times, values = [origin], [held]
-        for event in events:
-            op, m, c = event.action.op, event.action.microbatch, event.action.chunk
+        for code, m, c, start, end in events:
+            op = OPS[code]
             scale, recomputed = table.scale[m], table.recomputed[m]
             # A recomputed micro-batch keeps its input, then holds what the forward saves.
             whole = max(saved[c], kept[c]) if recomputed else saved[c]
             if op is OP_F:
                 held += (kept[c] if recomputed else whole) * scale
-                _step(times, values, event.start, held)
+                _step(times, values, start, held)
                 continue
             if recomputed and op is not OP_W:  # B or I re-runs the forward first
                 held += (whole - kept[c]) * scale
-                _step(times, values, event.start, held)
+                _step(times, values, start, held)
             # A split backward has no B: I frees what W does not read, W the rest.
             left_for_w = for_weights[c]
             freed = whole if op is OP_B else whole - left_for_w if op is OP_I else left_for_w
             if freed or op is not OP_I:
                 held -= freed * scale
-                _step(times, values, event.end, held)
+                _step(times, values, end, held)
         traces.append(MemoryTrace(times=tuple(times), held=tuple(values)))
     return tuple(traces)
 

@@ -10,28 +10,23 @@ import tempfile
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from itertools import chain
-from operator import attrgetter
+from functools import cached_property, reduce
+from itertools import accumulate
+from operator import add, attrgetter, sub
 from pathlib import Path
 from typing import Any
 
 from schedules._speed import gc_paused
 from schedules.action import Action, Op
+from schedules.events import Event, Events, StageColumns
+from schedules.vocabulary import OP_CODES
 
+__all__ = ["Event", "MemoryTrace", "Timeline"]
 
-@dataclass(frozen=True)
-class Event:
-    """One action run on one stage from ``start`` to ``end`` (seconds, or cost units)."""
-
-    stage: int
-    action: Action
-    start: float
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
+# Per op code, the change in held activations plus one (so that it is a byte): a forward
+# takes one (+1), a B or W frees one (-1), an I neither: a stage's peak is a running sum.
+_HELD_PLUS_ONE = bytes.maketrans(
+    bytes(OP_CODES[op] for op in (Op.F, Op.B, Op.I, Op.W)), bytes((2, 0, 1, 0)))
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,8 @@ class Timeline:
     memory: tuple[MemoryTrace, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "events", tuple(self.events))
+        if not isinstance(self.events, Events):  # Events are already an immutable sequence
+            object.__setattr__(self, "events", tuple(self.events))
         if not self.chunks_per_stage:
             object.__setattr__(self, "chunks_per_stage", (1,) * self.stages)
         object.__setattr__(self, "memory", tuple(self.memory))
@@ -99,20 +95,39 @@ class Timeline:
 
     @cached_property
     def start(self) -> float:
+        columns = self._columns
+        if columns is not None:
+            return min((min(stage.starts) for stage in columns if stage.starts), default=0.0)
         return min((event.start for event in self.events), default=0.0)
 
     @cached_property
     def makespan(self) -> float:
         """Time from the first action's start to the last action's end."""
+        columns = self._columns
+        if columns is not None:
+            last = max((max(stage.ends) for stage in columns if stage.ends), default=0.0)
+            return last - self.start
         return max((event.end for event in self.events), default=0.0) - self.start
 
     @cached_property
     def busy(self) -> tuple[float, ...]:
         """Per stage, the time spent running actions."""
+        columns = self._columns
+        if columns is not None:  # summed left to right, in the events' order, as below
+            return tuple(reduce(add, map(sub, stage.ends, stage.starts), 0.0)
+                         for stage in columns)
         totals = [0.0] * self.stages
         for event in self.events:
             totals[event.stage] += event.duration
         return tuple(totals)
+
+    @property
+    def _columns(self) -> tuple[StageColumns, ...] | None:
+        """Each stage's arrays, when the events are stored as arrays (``simulate``'s)."""
+        events = self.events
+        if isinstance(events, Events) and len(events.columns) == self.stages:
+            return events.columns
+        return None
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -141,16 +156,22 @@ class Timeline:
         return tuple(trace.peak for trace in self.memory)
 
     @classmethod
-    def _from_stage_events(cls, per_stage: Sequence[Sequence[Event]], **fields: Any) -> Timeline:
-        """A Timeline from each stage's events in the order they ran, as ``simulate`` has
-        them: ``stage_events`` then needs no sort. The caller vouches for the order."""
-        timeline = cls(stages=len(per_stage), events=tuple(chain.from_iterable(per_stage)),
-                       **fields)
-        timeline.__dict__["_by_stage"] = tuple(tuple(events) for events in per_stage)
-        return timeline
+    def from_columns(cls, columns: Sequence[StageColumns], **fields: Any) -> Timeline:
+        """A Timeline from each stage's events as arrays, in the order they ran (as
+        ``simulate`` has them): no Event is made until one is read, and ``stage_events``
+        needs no sort. The caller vouches for the order.
+
+        Args:
+            columns: per stage, its actions with their starts and ends, in order.
+            fields: the other fields (``chunks_per_stage``, ``name``, ...).
+        """
+        return cls(stages=len(columns), events=Events(columns), **fields)
 
     @cached_property
     def _by_stage(self) -> tuple[tuple[Event, ...], ...]:
+        events = self.events
+        if self._columns is not None and isinstance(events, Events):
+            return tuple(events.stage(stage) for stage in range(self.stages))
         # One pass to group, then a stable sort per stage (linear on the simulator's
         # already ordered events): stage_events for every stage costs O(events).
         groups: list[list[Event]] = [[] for _ in range(self.stages)]
@@ -166,6 +187,9 @@ class Timeline:
 
     def stage_order(self, stage: int) -> tuple[Action, ...]:
         """The actions one stage ran, in the order it ran them."""
+        columns = self._columns
+        if columns is not None:
+            return columns[stage].order
         return tuple(event.action for event in self.stage_events(stage))
 
     @cached_property
@@ -180,6 +204,10 @@ class Timeline:
             return self._peak_activations()
 
     def _peak_activations(self) -> tuple[float, ...]:
+        columns = self._columns
+        if columns is not None:
+            return tuple(round(_peak_held(stage.order.ops) / chunks, 9)
+                         for stage, chunks in zip(columns, self.chunks_per_stage))
         forward, weight, full = Op.F, Op.W, Op.B
         peaks = []
         for stage, events in enumerate(self._by_stage):
@@ -240,6 +268,13 @@ class Timeline:
         target = Path(path)
         _write_atomically(target, {"traceEvents": trace, "displayTimeUnit": "ms"})
         return target
+
+
+def _peak_held(ops: bytes) -> int:
+    """The most activations held at once by a stage running ``ops`` (op codes) in order."""
+    # The running sum of (change + 1) less the count of actions is the running held count.
+    held = map(sub, accumulate(ops.translate(_HELD_PLUS_ONE)), range(1, len(ops) + 1))
+    return max(0, max(held, default=0))
 
 
 def _write_atomically(target: Path, document: object) -> None:

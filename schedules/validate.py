@@ -6,6 +6,7 @@ Its comm plan is checked by ``schedules.comm_validate``.
 from __future__ import annotations
 
 from array import array
+from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 from schedules._speed import OP_B, OP_F, OP_I, OP_W, gc_paused
@@ -39,18 +40,25 @@ def validate(schedule: Schedule) -> None:
     with gc_paused():
         if not _actions_are_sound(schedule):
             check_actions(schedule)  # finds the fault and raises, naming it
-        feasible = replay_stages(schedule, flatten(schedule))
-    if len(feasible) != sum(len(actions) for actions in schedule.order):
+        runs = replay_stages(schedule, flatten(schedule))
+    if sum(runs[1]) != sum(len(actions) for actions in schedule.order):
         raise_deadlock(schedule)
     # A schedule is immutable: once valid, always valid. Cached like a cached_property,
-    # with the feasible order found (the stage of each action), which simulate replays.
-    schedule.__dict__[_VALIDATED] = feasible
+    # with the feasible order found (as runs of each stage's actions), which simulate replays.
+    schedule.__dict__[_VALIDATED] = runs
+
+
+def feasible_runs(schedule: Schedule) -> tuple[array[int], array[int]]:
+    """A feasible order as runs, ``(stages, counts)``: ``counts[n]`` actions of stage
+    ``stages[n]`` (see ``replay_stages``), validating the schedule (once) on the way."""
+    validate(schedule)
+    return schedule.__dict__[_VALIDATED]  # type: ignore[no-any-return]
 
 
 def feasible_order(schedule: Schedule) -> array[int]:
     """The stage of each action in ``replay`` order, validating the schedule (once) on the way."""
-    validate(schedule)
-    return schedule.__dict__[_VALIDATED]  # type: ignore[no-any-return]
+    stages, counts = feasible_runs(schedule)
+    return array("l", chain.from_iterable(map(repeat, stages, counts)))
 
 
 def _actions_are_sound(schedule: Schedule) -> bool:
