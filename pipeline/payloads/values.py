@@ -66,6 +66,10 @@ def _lower_packages() -> Mapping[str, type]:
         Action, Op, Schedule, Event, MemoryTrace, Timeline, Candidate, Plan)}
 
 
+# Tuples stored as arrays (``schedules.stage_order.StageOrder``, ``plan_steps.PlanSteps``,
+# ``events.Events``).
+ARRAY_TUPLES = frozenset({"StageOrder", "PlanSteps", "Events"})
+
 # A shared value's bytes: JSON of plain data, then the tensors' bytes.
 #
 #   message := n (8 bytes, little-endian) + n bytes of JSON (UTF-8) + each tensor's bytes
@@ -106,9 +110,10 @@ def _encode(value: Any, path: str, depth: int, tensors: list[torch.Tensor]) -> A
     if kind is int:
         return bounded_int(value, path)
     bounded_depth(depth, path)
-    if kind is tuple or kind is list:
-        return {kind.__name__: [_encode(item, f"{path}[{i}]", depth + 1, tensors)
-                                for i, item in enumerate(value)]}
+    if kind is tuple or kind is list or kind.__name__ in ARRAY_TUPLES:
+        # a timetable's arrays cross as the tuple of Actions they read as
+        return {"list" if kind is list else "tuple": [
+            _encode(item, f"{path}[{i}]", depth + 1, tensors) for i, item in enumerate(value)]}
     if kind is dict or kind is types.MappingProxyType:
         return {"dict" if kind is dict else "mapping": [
             [_key(key, path), _encode(item, f"{path}[{key!r}]", depth + 1, tensors)]
