@@ -73,9 +73,11 @@ Megatron fusion above.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain, compress, islice
+from operator import ne, sub
 from typing import Literal, Union
 
 from schedules._speed import gc_paused
@@ -220,22 +222,17 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
           channel: int | None = None, together: bool = True) -> PlanSteps:
     """``stage``'s steps: before action ``i``, the ops posted in gap ``i`` (one group, or one
     group per op unless ``together``); after the last action, the last gap's."""
-    order = schedule.orders[stage]
-    kinds, ends = bytearray(), array("q")
-    action, group = bytes((ACTION_STEP,)), GROUP_STEP
-    last, previous = 0, -1
-    for at, gap in enumerate(moves.gaps):
-        if together and gap == previous:
-            continue
-        if at:
-            ends.append(at)
-        kinds += action * (gap - last)
-        kinds.append(group)
-        last = previous = gap
-    if moves.gaps:
-        ends.append(len(moves.gaps))
-    kinds += action * (len(order) - last)
-    return PlanSteps(bytes(kinds), order, ends, messages.op_arrays(moves, channel))
+    gaps = moves.gaps
+    if together:  # one group per gap: a group ends where the (never decreasing) gap changes
+        last = list(map(ne, gaps, chain(islice(gaps, 1, None), (-1,))))
+        groups: Sequence[int] = list(compress(gaps, last))
+        ends = array("q", compress(range(1, len(gaps) + 1), last))
+    else:
+        groups, ends = gaps, array("q", range(1, len(gaps) + 1))
+    # The actions before each group's gap, since the one before: runs joined by group steps.
+    runs = map(sub, chain(groups, (len(schedule.orders[stage]),)), chain((0,), groups))
+    kinds = bytes((GROUP_STEP,)).join(map(bytes((ACTION_STEP,)).__mul__, runs))
+    return PlanSteps(kinds, schedule.orders[stage], ends, messages.op_arrays(moves, channel))
 
 
 def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:

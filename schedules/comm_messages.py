@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from functools import cached_property
 
 from schedules.action import CODE_F, CODE_W, Schedule
 from schedules.comm_ops import ACTIVATIONS, GRADIENTS
 from schedules.flat import Flat
-from schedules.plan_steps import SEND, OpArrays
+from schedules.plan_steps import RECEIVE, SEND, OpArrays
 
 
 @dataclass(frozen=True)
@@ -43,37 +44,48 @@ class Messages:
     needs: list[array[int]]
     chunks: int
 
+    @cached_property
+    def _columns(self) -> tuple[list[int], ...]:
+        """Lists (C-fast to gather from): by move entry (``Moves.entries``) the peer, the
+        destination of a send and the source of a receive; by message its channel and its
+        producer's op code, micro-batch and chunk."""
+        peers = [0] * (2 * len(self.producer))
+        peers[SEND::2], peers[RECEIVE::2] = self.destination, self.source
+        units = list(map((2).__rrshift__, self.producer))  # key >> 2
+        return (peers, self.channel.tolist(), list(map((3).__rand__, self.producer)),
+                list(map(self.chunks.__rfloordiv__, units)),
+                list(map(self.chunks.__rmod__, units)))
+
     def op_arrays(self, moves: Moves, channel: int | None = None) -> OpArrays:
         """The ops of ``moves``: a send at the message's source, a receive at its
-        destination, on its channel or on ``channel``."""
+        destination, on its channel or on ``channel`` (column by column, at C speed)."""
         ops = OpArrays()
-        source, destination, chunks = self.source, self.destination, self.chunks
-        ops.kinds = moves.kinds
-        ops.peers = array("q", [destination[message] if kind == SEND else source[message]
-                                for message, kind in zip(moves.messages, moves.kinds)])
-        ops.channels = (array("q", map(self.channel.__getitem__, moves.messages))
-                        if channel is None else array("q", [channel]) * len(moves.kinds))
-        keys = list(map(self.producer.__getitem__, moves.messages))
-        ops.producer_ops = bytearray([key & 3 for key in keys])
-        units = [key >> 2 for key in keys]
-        ops.microbatches = array("q", [unit // chunks for unit in units])
-        ops.chunks = array("q", [unit % chunks for unit in units])
+        entries = moves.entries
+        peers, channels, codes, microbatches, chunks = self._columns
+        messages = list(map((1).__rrshift__, entries))  # entry >> 1
+        ops.kinds = bytearray(map((1).__rand__, entries))  # entry & 1
+        ops.peers = array("q", map(peers.__getitem__, entries))
+        ops.channels = (array("q", map(channels.__getitem__, messages))
+                        if channel is None else array("q", [channel]) * len(entries))
+        ops.producer_ops = bytearray(map(codes.__getitem__, messages))
+        ops.microbatches = array("q", map(microbatches.__getitem__, messages))
+        ops.chunks = array("q", map(chunks.__getitem__, messages))
         return ops
 
 
 class Moves:
     """One stage's ops, in the order they are posted: per op, the gap it is posted in (the
-    number of actions before it, never decreasing), its message and SEND or RECEIVE."""
+    number of actions before it, never decreasing) and its entry, ``2 * message + kind``
+    (kind ``SEND`` or ``RECEIVE``): two appends an op, for the rendezvous's inner loop."""
 
-    __slots__ = ("gaps", "messages", "kinds")
+    __slots__ = ("gaps", "entries")
 
     def __init__(self) -> None:
-        self.gaps, self.messages, self.kinds = array("q"), array("q"), bytearray()
+        self.gaps, self.entries = array("q"), array("q")
 
     def add(self, gap: int, message: int, kind: int) -> None:
         self.gaps.append(gap)
-        self.messages.append(message)
-        self.kinds.append(kind)
+        self.entries.append(2 * message + kind)
 
     @classmethod
     def of(cls, gaps: dict[int, list[tuple[int, int]]]) -> Moves:

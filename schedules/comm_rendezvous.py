@@ -51,19 +51,21 @@ class Rendezvous:
         self.pending: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(stages)]
         self.senders: list[set[int]] = [set() for _ in range(stages)]
         self.moves = [Moves() for _ in range(stages)]
-        self.heap = [(0.0, stage, stage) for stage in range(stages)]
-        self.tick = stages
 
     def run(self) -> list[Moves]:
-        heap, in_gap, position = self.heap, self.in_gap, self.position
+        # Stages due at one instant wait in that instant's bucket, in the order they were
+        # due (what a heap keyed by (time, tick) gave); the heap holds only distinct instants,
+        # a few thousand pushes instead of one per action.
+        buckets: dict[float, list[int]] = {0.0: list(range(len(self.lengths)))}
+        instants = [0.0]
+        in_gap, position = self.in_gap, self.position
         out, destination_of = self.messages.out, self.messages.destination
         pending, senders = self.pending, self.senders
-        pop = heapq.heappop
-        while heap:
-            now = heap[0][0]
-            arrived = []
-            while heap and heap[0][0] <= now:
-                stage = pop(heap)[2]
+        deliver, try_leave = self._deliver, self._try_leave
+        while instants:
+            now = heapq.heappop(instants)
+            arrived = buckets.pop(now)
+            for stage in arrived:
                 # Arrive: the action just run has its result to send, if any.
                 at = position[stage]
                 message = out[stage][at - 1] if at else -1
@@ -72,15 +74,14 @@ class Rendezvous:
                     pending[stage][destination].append(message)
                     senders[destination].add(stage)
                 in_gap[stage] = True
-                arrived.append(stage)
             # Everyone arriving at this instant is in a gap before anyone leaves.
             touched = set(arrived)
             for stage in arrived:
                 if senders[stage] or pending[stage]:
-                    self._deliver(stage, touched)
+                    deliver(stage, touched)
             for stage in sorted(touched):
                 if in_gap[stage]:
-                    self._try_leave(stage, now)
+                    try_leave(stage, now, buckets, instants)
         if not all(self.done):  # cannot happen for a validated schedule
             stuck = [stage for stage, done in enumerate(self.done) if not done]
             raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
@@ -88,26 +89,28 @@ class Rendezvous:
 
     def _deliver(self, stage: int, touched: set[int]) -> None:
         """Move every message between ``stage`` and peers also in a gap; add them to touched."""
-        for destination in list(self.pending[stage]):
-            if self.in_gap[destination]:
-                self._move(stage, destination)
-                touched.add(destination)
-        for source in list(self.senders[stage]):
-            if self.in_gap[source]:
-                self._move(source, stage)
-                touched.add(source)
+        in_gap, pending = self.in_gap, self.pending
+        outgoing = pending[stage]
+        for destination in [peer for peer in outgoing if in_gap[peer]]:
+            self._move(stage, destination, outgoing.pop(destination))
+            touched.add(destination)
+        for source in [peer for peer in self.senders[stage] if in_gap[peer]]:
+            self._move(source, stage, pending[source].pop(stage))
+            touched.add(source)
 
-    def _move(self, source: int, destination: int) -> None:
-        messages = self.pending[source].pop(destination)
+    def _move(self, source: int, destination: int, messages: list[int]) -> None:
         sends, receives = self.moves[source], self.moves[destination]
         sent_at, received_at = self.position[source], self.position[destination]
         for message in messages:
-            sends.add(sent_at, message, SEND)
-            receives.add(received_at, message, RECEIVE)
+            sends.gaps.append(sent_at)
+            sends.entries.append(2 * message + SEND)
+            receives.gaps.append(received_at)
+            receives.entries.append(2 * message + RECEIVE)
             self.moved[message] = 1
         self.senders[destination].discard(source)
 
-    def _try_leave(self, stage: int, now: float) -> None:
+    def _try_leave(self, stage: int, now: float, buckets: dict[float, list[int]],
+                   instants: list[float]) -> None:
         position, pending = self.position[stage], self.pending[stage]
         if position == self.lengths[stage]:
             if not pending:
@@ -129,6 +132,9 @@ class Rendezvous:
         self.in_gap[stage] = False
         self.position[stage] = position + 1
         self.busy_until[stage] = end
-        heapq.heappush(self.heap, (end, self.tick, stage))
-        self.tick += 1
-
+        due = buckets.get(end)
+        if due is None:
+            buckets[end] = [stage]
+            heapq.heappush(instants, end)
+        else:
+            due.append(stage)

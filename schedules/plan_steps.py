@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Sequence
+from functools import cached_property
+from itertools import accumulate, repeat
+from operator import sub
 from typing import Any, SupportsIndex, overload
 
 from schedules.action import OP_CODES, OPS, Action, StageOrder, new_action
@@ -60,17 +63,23 @@ class PlanSteps(tuple[Any, ...]):
     def __new__(cls, kinds: bytes, actions: StageOrder, group_ends: array[int],
                 ops: OpArrays) -> PlanSteps:
         steps = super().__new__(cls)
-        slots, counts = array("q", bytes(8 * len(kinds))), [0, 0]
-        for at, kind in enumerate(kinds):
-            slots[at] = counts[kind]
-            counts[kind] += 1
+        groups = kinds.count(GROUP_STEP)
+        counts = [len(kinds) - groups, groups]
         if counts != [len(actions), len(group_ends)]:
             raise ValueError(f"PlanSteps: {counts[0]} action and {counts[1]} group steps, "
                              f"but {len(actions)} actions and {len(group_ends)} groups")
         fields = steps.__dict__
-        fields.update(kinds=bytes(kinds), actions=actions, group_ends=group_ends, ops=ops,
-                      slots=slots)
+        fields.update(kinds=bytes(kinds), actions=actions, group_ends=group_ends, ops=ops)
         return steps
+
+    @cached_property
+    def slots(self) -> array[int]:
+        """Per step, its index among the actions or among the groups (made when first read,
+        at C speed: an action's is its index less the groups before it)."""
+        groups = list(accumulate(self.kinds))  # per step, the groups up to it, itself included
+        as_action = map(sub, range(len(self.kinds)), groups)
+        as_group = map(sub, groups, repeat(1))
+        return array("q", map(tuple.__getitem__, zip(as_action, as_group), self.kinds))
 
     @classmethod
     def of(cls, steps: Sequence[Any]) -> PlanSteps | None:
