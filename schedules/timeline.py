@@ -65,7 +65,9 @@ class Timeline:
 
     Attributes:
         stages: number of stages (rows of the plot).
-        events: every action's event, in no particular order.
+        events: every action's event, in no particular order: a tuple of Events, or,
+            from ``simulate`` (``from_columns``), ``Events``, arrays that read as that
+            tuple (stage after stage, each in its order), the figures read on the arrays.
         chunks_per_stage: how many model chunks each stage holds; an activation of
             one chunk counts ``1 / chunks_per_stage[stage]`` of a full stage's.
         name: what to call it in titles (``"1f1b (simulated)"``, say).
