@@ -51,14 +51,14 @@ class PlanSteps(tuple[Any, ...]):
         actions: the action steps, in order.
         group_ends: per group, the index one past its last op in ``ops``.
         ops: every op of every group, in order.
-        slots: per step, its index among the actions or among the groups.
+        slots: per step, its index among the actions or among the groups (made when
+            first read).
     """
 
     kinds: bytes
     actions: StageOrder
     group_ends: array[int]
     ops: OpArrays
-    slots: array[int]
 
     def __new__(cls, kinds: bytes, actions: StageOrder, group_ends: array[int],
                 ops: OpArrays) -> PlanSteps:
