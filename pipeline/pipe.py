@@ -180,7 +180,7 @@ class Pipe(PipeViews, ModelLike):
     def _build_runner(self) -> Runner:
         assert self._balance is not None
         self._pending = None
-        runner = self._processes.build_runner(self.model, self._balance, self._schedule,
+        runner = self._processes.build_runner(self.cut, self._balance, self._schedule,
                                               self._devices, self._options)
         self._runner = runner
         # A Pipe dropped without close() still gives back its communicators and buffers

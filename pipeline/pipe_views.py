@@ -15,6 +15,7 @@ import torch
 
 from schedules import Schedule, Timeline
 from units import Cut, UnitInfo
+from units.tp_graph import Counts
 
 from pipeline.compute.activations import MemoryReport
 from pipeline.group.distributed import Distributed
@@ -121,6 +122,14 @@ class PipeViews:
         if self._runner is not None:
             for tracker in self._runner.trackers:
                 tracker.measuring = self._measuring > 0
+
+    @property
+    def tensor_parallel_counts(self) -> Counts | None:
+        """This rank's tensor-parallel all-reduces so far (calls and bytes, forward and
+        backward; ``units.tp_graph.Counts``) where a traced model is split by a plan's
+        names, else None."""
+        boundaries = self._runner.boundaries if self._runner is not None else None
+        return boundaries.counts if boundaries is not None else None
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:

@@ -23,8 +23,8 @@ exact graph split (``split_backward.graph_split``), chosen per micro-batch:
 
 Which products can defer: those of an ``nn.Linear``, ``nn.MultiheadAttention`` or
 ``nn.Conv{1,2,3}d`` whose class keeps its own forward, without parametrizations,
-whose weight (and bias) is a leaf of plain ``Parameter`` type (not a DTensor, not
-set by a hook, not a slice), outside a ``torch.compile``d module and in a chunk the
+whose weight (and bias) is a leaf of plain ``Parameter`` type (not set by a hook, not a
+slice) or a tensor-parallel DTensor parameter's shard as a traced unit reads it, outside a ``torch.compile``d module and in a chunk the
 runtime did not shard (``sharded``: FSDP's hooks expect weight gradients in the
 backward): everything else stays as it was.
 """
@@ -59,7 +59,20 @@ _T = TypeVar("_T")
 
 
 def _plain_leaf(tensor: torch.Tensor | None) -> bool:
-    return tensor is None or (type(tensor) is nn.Parameter and tensor.grad_fn is None)
+    return tensor is None or (type(tensor) is nn.Parameter and tensor.grad_fn is None) \
+        or _shard_of_parameter(tensor)
+
+
+def _shard_of_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tensor-parallel parameter's shard as a traced unit reads it
+    (``to_local`` of a leaf DTensor): its gradient reaches the parameter through that one
+    node, so W accumulates it there as into a plain leaf."""
+    node = tensor.grad_fn
+    if node is None or type(tensor) is not torch.Tensor \
+            or type(node).__name__ != "_ToTorchTensorBackward":
+        return False
+    following = node.next_functions
+    return len(following) == 1 and type(following[0][0]).__name__ == "AccumulateGrad"
 
 
 def check_mode(mode: object) -> SplitMode:

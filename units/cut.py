@@ -20,7 +20,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from units.tp_plan import PlanSpec, resolve_plan
 from units.unit import attach, held
+
+# A tensor-parallel plan: "auto", {module name pattern: style}, or fn(layer, tp_mesh).
+TensorParallelPlan = PlanSpec | Callable[[nn.Module, Any], None]
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,43 @@ class Cut:
         """Apply a pass to every traced program of the cut, and of later traces (none here)."""
 
     # -- keys ---------------------------------------------------------------------------
+
+    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
+                    ) -> Any:
+        """Split units ``indices`` over ``tp_mesh``: ``fn(layer, tp_mesh)`` on each, or by
+        a dict of the model's module names (``"3.attn.q"``) to ``"colwise"`` and
+        ``"rowwise"``, applied with torch's ``ColwiseParallel`` and ``RowwiseParallel``
+        (each layer runs as it is written, so its code must reshape with ``-1`` where a
+        size is split). Returns None (a traced cut returns what counts its all-reduces).
+
+        Raises:
+            ValueError: ``"auto"``, or another style, for a Sequential's layers.
+        """
+        if callable(plan):
+            for index in indices:
+                plan(self.units[index], tp_mesh)
+            return None
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        torch_styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        styles = resolve_plan(self.model, plan)
+        refused = {name: style.name for name, style in styles.items()
+                   if style.name not in torch_styles}
+        if refused:
+            raise ValueError(
+                f"a Sequential's layers run as written, split by torch's ColwiseParallel and "
+                f"RowwiseParallel: styles 'colwise' and 'rowwise' only, got {refused}")
+        for index in indices:
+            prefix = f"{self._places[index]}."
+            own = {name.removeprefix(prefix): torch_styles[style.name]()
+                   for name, style in styles.items() if name.startswith(prefix)}
+            if own:
+                parallelize_module(self.units[index], tp_mesh, own)
+        return None
 
     def key(self, index: int, name: str) -> str:
         """The model's key of ``name`` in unit ``index``'s own state dict."""

@@ -15,11 +15,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from units.cut import Cut, UnitInfo
+from units.cut import Cut, TensorParallelPlan, UnitInfo
 from units.boundaries import block_run, forward_order
 from units.errors import TraceError
 from units.programs import Program
 from units.signature import ModelState, mode_differences, modes
+from units.tp_graph import Boundaries, place_boundaries
+from units.tp_local import check_splittable, localized, shard_parameters
+from units.tp_plan import resolve_plan
 from units.trace import export_model
 from units.unit import Unit, attach
 from units.variants import Retracer, cut_units
@@ -36,6 +39,44 @@ class TracedCut(Cut):
         self._modes = traced_modes
         self._state = ModelState.of(model)  # what the graphs took from the model
         self.rewrites: list[Callable[[fx.GraphModule], Any]] = []
+        self.retracer: Retracer | None = None  # set by cut_model
+        self.sample: Any = None  # the batch it was traced with
+
+    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
+                    ) -> Boundaries | None:
+        """Split the model over ``tp_mesh`` by ``plan`` (``"auto"`` or a dict of the model's
+        module names to styles, ``units.tp_plan``): the planned modules of units
+        ``indices`` get DTensor shards of their parameters, and every unit a program traced
+        at one rank's sizes with Megatron's boundaries (``units.tp_graph``), whose
+        all-reduces ``Boundaries`` counts. A callable is called on each unit of
+        ``indices`` (``fn(unit, tp_mesh)``) and nothing is traced again.
+
+        Raises:
+            ValueError: a plan the model cannot take (``check_splittable``).
+            TraceError: the model traced at one rank's sizes fails (its code fixes a size
+                the plan splits: a view with an explicit head count).
+        """
+        if callable(plan):
+            return super().parallelize(plan, tp_mesh, indices)
+        assert self.retracer is not None
+        tp = tp_mesh.size()
+        styles = resolve_plan(self.model, plan)
+        check_splittable(self.model, styles, tp)
+        local = {name for index in indices for name in self.infos[index].modules}
+        shard_parameters(self.model, styles, tp_mesh, local)
+        boundaries = Boundaries(tp_mesh.get_group())
+        self.retracer.localize = lambda model: localized(model, styles, tp)
+        self.retracer.passes = [lambda graph: place_boundaries(graph, styles, boundaries)]
+        try:
+            self.retracer.retrace(self.sample)
+        except TraceError as error:
+            raise TraceError(
+                f"{type(self.model).__name__} traced at one tensor-parallel rank's sizes "
+                f"(tp={tp}) fails: {error}. Its code fixes a size the plan splits (a view "
+                f"with an explicit head count, say), or a view merges a split dimension; "
+                f"leave that module out of the plan") from error
+        self._state = ModelState.of(self.model)
+        return boundaries
 
     @property
     def takes_batch_as_written(self) -> bool:
@@ -165,8 +206,10 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
     assembled = _assemble(model, traced, cut, call, names, mixes)
     units_run = [unit for unit in assembled.units if isinstance(unit, Unit)]
     # the first unit traces the sizes no variant runs, under the cut's rewrites
-    units_run[0].grow = Retracer(model, units_run, starts, units is None, mixes,
-                                 assembled.rewrites)
+    assembled.retracer = Retracer(model, units_run, starts, units is None, mixes,
+                                  assembled.rewrites)
+    assembled.sample = sample
+    units_run[0].grow = assembled.retracer
     return assembled
 
 

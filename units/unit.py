@@ -17,6 +17,7 @@ both times), so that the units of one micro-batch all run the variant its first 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,6 +55,12 @@ class Unit(nn.Module):
         """The traced programs it runs: per mode (training, evaluation), every variant."""
         return tuple(program.module for variants in self._variants.values()
                      for program, _ in variants)
+
+    def replace_variants(self, training: bool, program: Program, outputs: Outputs | None
+                         ) -> None:
+        """Run ``program`` alone in mode ``training`` (a trace of the model at other sizes
+        of its own: its tensor-parallel shards')."""
+        self._variants[training] = [(program, outputs)]
 
     def add_variant(self, training: bool, program: Program, outputs: Outputs | None) -> None:
         """Run ``program`` (cut from a trace of other sizes) first where its inputs fit."""
@@ -105,7 +112,7 @@ class Unit(nn.Module):
             self._grown(carried, training)  # if it cannot, the step says why
 
     def _run(self, program: Program, values: Sequence[Any]) -> Any:
-        state = [self._read(path) for path in program.state]
+        state = [_local(self._read(path)) for path in program.state]
         return program.module(*state, *values)
 
     def _pick(self, training: bool, values: Sequence[Any]
@@ -156,6 +163,15 @@ class Unit(nn.Module):
         """Hold ``module`` at ``path`` (or ``tensor``: a name, the tensor, persistent)."""
         attach(self, path, module, tensor)
 
+
+
+def _local(value: Any) -> Any:
+    """A tensor-parallel parameter (a ``DTensor``) as this rank's shard, through the
+    differentiable ``to_local``: the graph runs at one rank's sizes."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is not None and isinstance(value, module.DTensor):
+        return value.to_local()
+    return value
 
 
 def fits(program: Program, values: Sequence[Any]) -> bool:

@@ -59,6 +59,10 @@ class Retracer:
         self.default = default
         self.modes = modes
         self.rewrites = rewrites  # the cut's passes, those added later too
+        # A model's copy at one rank's sizes (its tensor-parallel shards'), and the passes a
+        # whole graph of it takes before it is cut (the boundaries between split regions).
+        self.localize: Callable[[nn.Module], nn.Module] | None = None
+        self.passes: list[Callable[[fx.GraphModule], Any]] = []
         self.added = {True: 0, False: 0}
         self.refusal = ""  # why the last trace asked for could not be made
         self._lock = threading.Lock()
@@ -69,37 +73,70 @@ class Retracer:
                 self.refusal = f"{MAX_VARIANTS} traces of other sizes are kept, no more"
                 return False
             try:
-                graph_module = self._trace(sample, training)
-                programs, returned, _ = cut_units(graph_module, self.starts, self.default)
+                self._install(sample, training, Unit.add_variant)
             except TraceError as error:
                 self.refusal = f"tracing it failed: {error}"
                 return False
-            if len(programs) != len(self.units) or not all(
-                    _readable(unit, program, graph_module)
-                    for unit, program in zip(self.units, programs)):
-                self.refusal = (f"its trace cuts into {len(programs)} units that read other "
-                                f"tensors than the first trace's {len(self.units)}")
-                return False
-            outputs: Any = (returned, graph_module._out_spec)
-            for unit, program in zip(self.units, programs):
-                for rewrite in self.rewrites:
-                    rewrite(program.module)
-                unit.add_variant(training, program, outputs if unit is self.units[-1] else None)
             self.added[training] += 1
             return True
+
+    def retrace(self, sample: Any) -> None:
+        """Trace the model again on ``sample`` in both modes (its tensors as they are now:
+        tensor-parallel shards) and make each unit run only those programs.
+
+        Raises:
+            TraceError: the new trace fails, or cuts into units that read other tensors.
+        """
+        with self._lock:
+            for training in (True, False):
+                self._install(sample, training, Unit.replace_variants)
+            self.added = {True: 0, False: 0}
+
+    def _install(self, sample: Any, training: bool,
+                 install: Callable[[Unit, bool, Program, Any], None]) -> None:
+        graph_module = self._trace(sample, training)
+        if self.passes:  # not on the trace export_model keeps for other models
+            graph_module = _own_copy(graph_module)
+        for graph_pass in self.passes:
+            graph_pass(graph_module)
+        programs, returned, _ = cut_units(graph_module, self.starts, self.default)
+        if len(programs) != len(self.units) or not all(
+                _readable(unit, program, graph_module)
+                for unit, program in zip(self.units, programs)):
+            raise TraceError(f"its trace cuts into {len(programs)} units that read other "
+                             f"tensors than the first trace's {len(self.units)}")
+        outputs: Any = (returned, graph_module._out_spec)
+        for unit, program in zip(self.units, programs):
+            for rewrite in self.rewrites:
+                rewrite(program.module)
+            install(unit, training, program, outputs if unit is self.units[-1] else None)
 
 
     def _trace(self, sample: Any, training: bool) -> fx.GraphModule:
         """The model traced on ``sample``; where the runtime freed some of its tensors to
         ``meta`` (other ranks' stages), a copy of it all on ``meta`` is traced, and the
         graph's ``meta`` devices become the batch's."""
-        if not any(t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
+        if self.localize is None and not any(
+                t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
             return export_model(self.model, sample, self.modes[training])[0]
         leaves = [leaf for leaf in pytree.tree_leaves(sample) if isinstance(leaf, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
-        graph_module = export_model(_on_meta(self.model), on_meta, self.modes[training])[0]
+        copy_on_meta = (self.localize or _on_meta)(self.model)
+        graph_module = export_model(copy_on_meta, on_meta, self.modes[training])[0]
         return _moved(graph_module, device)
+
+
+def _own_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+    """``graph_module`` with a graph of its own (its attributes shared): a pass may change
+    it without changing the trace ``export_model`` keeps."""
+    graph = fx.Graph()
+    graph._codegen = graph_module.graph._codegen
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    copied = object.__new__(type(graph_module))
+    copied.__dict__ = dict(graph_module.__dict__)
+    copied.graph = graph
+    return copied
 
 
 def _on_meta(model: nn.Module) -> nn.Module:

@@ -8,7 +8,7 @@ takes the groups from a device mesh (``Distributed.from_mesh(mesh, ...)`` for it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,13 +17,15 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
+from units.cut import TensorParallelPlan
+
 from pipeline.transports import TRANSPORTS, TransportName
 
 
 MESH_DIMENSIONS = ("pp", "dp", "tp")
 DataParallelMode = Literal["replicate", "fsdp"]
 DATA_PARALLEL: tuple[DataParallelMode, ...] = ("replicate", "fsdp")
-TensorParallel = Callable[[nn.Module, DeviceMesh], None]  # fn(layer, tp_mesh)
+TensorParallel = TensorParallelPlan  # "auto", {module name: style}, or fn(layer, tp_mesh)
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,14 @@ class Distributed:
         reshard_after_forward: with ``"fsdp"``, free the gathered parameters after each
             micro-batch's forward and gather them again for its backward: less memory,
             two all-gathers per layer and micro-batch instead of one per step.
-        tensor_parallel: ``fn(layer, tp_mesh)``, called on each local layer once it is
-            materialised (before FSDP shards it), parallelizes it over the mesh's
-            ``"tp"`` dimension (e.g. ``parallelize_module`` with a Colwise/Rowwise plan;
-            ``examples/gpt.py`` has one). Needs a mesh with a ``"tp"`` dimension.
+        tensor_parallel: how each stage splits over the mesh's ``"tp"`` dimension (needs
+            one), applied to the local units once they are materialised (before FSDP shards
+            them): ``"auto"`` (the plan a Hugging Face config ships,
+            ``base_model_tp_plan``), a dict of the model's module names (``*`` for a layer
+            index) to ``"colwise"``, ``"rowwise"``, ``"packed_colwise"`` or
+            ``"replicated_with_grad_allreduce"`` (``units.tp_plan``), or ``fn(layer,
+            tp_mesh)`` called on each local unit (``parallelize_module`` with torch's
+            styles; ``examples/gpt.py`` has one).
     """
 
     group: ProcessGroup
@@ -89,7 +95,8 @@ class Distributed:
         tp = mesh["tp"].size() if "tp" in names else 1
         if tp > 1 and tensor_parallel is None:
             raise ValueError(f"the mesh's 'tp' dimension is {tp}: pass tensor_parallel="
-                             f"fn(layer, tp_mesh) to say how each layer splits across it")
+                             f"'auto', a dict of module names to styles, or fn(layer, "
+                             f"tp_mesh) to say how each stage splits across it")
         if tensor_parallel is not None and "tp" not in names:
             raise ValueError(f"tensor_parallel= needs a mesh with a 'tp' dimension, got "
                              f"dimensions {names}")
@@ -124,6 +131,7 @@ class Distributed:
         if self.data_parallel not in DATA_PARALLEL:
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}; expected one of: "
                              f"{', '.join(DATA_PARALLEL)}")
+        _check_plan(self.tensor_parallel)
         if self.tensor_parallel is not None and self.mesh is None:
             raise ValueError("tensor_parallel= needs mesh=init_device_mesh(..., "
                              "mesh_dim_names=('pp', 'dp', 'tp'))")
@@ -150,6 +158,14 @@ def layout_of(distributed: Distributed | None, mesh: DeviceMesh | None,
     if group is not None:
         return Distributed(group)
     return distributed
+
+
+def _check_plan(plan: Any) -> None:
+    """Raise ValueError for a tensor-parallel plan of none of its three forms."""
+    if plan is None or callable(plan) or isinstance(plan, Mapping) or plan == "auto":
+        return
+    raise ValueError(f"tensor_parallel={plan!r:.80}: expected 'auto', a dict of module names "
+                     f"to styles, or fn(layer, tp_mesh)")
 
 
 def _check_mesh(mesh: Any) -> None:

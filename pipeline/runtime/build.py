@@ -12,19 +12,19 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from schedules import Schedule
+from units import Cut
 
 from pipeline.compute.chunk import ChunkOptions
-from pipeline.group.distributed import Distributed, TensorParallel
+from pipeline.group.distributed import Distributed
 from pipeline.group.process_groups import rank_device
 from pipeline.group.ranks import OneProcess, RankGroup, Ranks
 from pipeline.runtime.data_parallel import data_parallel_of
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
+from pipeline.runtime.tensor_parallel import TensorSplit
 
 
 class Processes(Protocol):
@@ -44,10 +44,10 @@ class Processes(Protocol):
             ValueError: devices given with a group (each rank picks its own).
         """
 
-    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+    def build_runner(self, cut: Cut, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
-        """The runner of ``model`` cut by ``balance``; ``devices``: one per stage in one
-        process, this rank's with a group."""
+        """The runner of ``cut``'s units split by ``balance``; ``devices``: one per stage in
+        one process, this rank's with a group."""
 
 
 class InOneProcess:
@@ -66,9 +66,9 @@ class InOneProcess:
         return [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
                 for d in given]
 
-    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+    def build_runner(self, cut: Cut, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
-        return LocalRunner(model, list(balance), schedule, list(devices), options, self.timeout)
+        return LocalRunner(cut.units, list(balance), schedule, list(devices), options, self.timeout)
 
 
 class AcrossRanks:
@@ -87,14 +87,14 @@ class AcrossRanks:
             raise ValueError("with group=..., each rank picks its own device; pass devices=None")
         return [rank_device(self.distributed.group)]
 
-    def build_runner(self, model: nn.Sequential, balance: Sequence[int], schedule: Schedule,
+    def build_runner(self, cut: Cut, balance: Sequence[int], schedule: Schedule,
                      devices: Sequence[torch.device], options: ChunkOptions) -> Runner:
         distributed, device = self.distributed, devices[0]
         data_parallel = data_parallel_of(distributed, device, self.timeout,
                                          bool(schedule.split_backward))
-        return DistRunner(model, list(balance), schedule, device, options, self.timeout,
+        return DistRunner(cut.units, list(balance), schedule, device, options, self.timeout,
                           distributed.group, distributed.init_fn, distributed.transport,
-                          data_parallel, _tensor_parallel(distributed))
+                          data_parallel, _tensor_split(distributed, cut))
 
 
 def default_devices(stages: int) -> list[torch.device]:
@@ -112,9 +112,9 @@ def processes(distributed: Distributed | None, timeout: float) -> Processes:
     return AcrossRanks(distributed, timeout)
 
 
-def _tensor_parallel(distributed: Distributed) -> tuple[TensorParallel, DeviceMesh] | None:
-    """The user's ``fn(layer, tp_mesh)`` and the mesh it splits over, where both are."""
+def _tensor_split(distributed: Distributed, cut: Cut) -> TensorSplit | None:
+    """How ``cut`` splits over the mesh's ``tp`` dimension, where there is one and a plan."""
     tp_mesh = distributed.tp_mesh
     if distributed.tensor_parallel is None or tp_mesh is None:
         return None
-    return distributed.tensor_parallel, tp_mesh
+    return TensorSplit(cut, distributed.tensor_parallel, tp_mesh)

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from schedules import Event, Schedule, Timeline
 
@@ -26,8 +25,7 @@ from pipeline.runtime.executor import StageResult, StepInputs, StepMeter, run_st
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.step_times import StepTimes
-from pipeline.group.distributed import TensorParallel
-from pipeline.runtime.tensor_parallel import parallelize, send_shards
+from pipeline.runtime.tensor_parallel import TensorSplit, send_shards
 from pipeline.runtime.rank_share import rank_share
 from pipeline.runtime.runner import PendingTimeline, propagate_input_grads, step_of
 from pipeline.compute.chunk import ChunkOptions, ChunkRunner, ChunkSpec
@@ -69,11 +67,12 @@ class DistRunner:
         init_fn: Callable[[nn.Module], None] | None,
         transport: TransportName = "auto",
         data_parallel: DataParallel | None = None,
-        tensor_parallel: tuple[TensorParallel, DeviceMesh] | None = None,
+        tensor_parallel: TensorSplit | None = None,
     ) -> None:
         self.group = group
         self.data_parallel = data_parallel if data_parallel is not None else Alone()
-        self.tp_mesh = tensor_parallel[1] if tensor_parallel is not None else None
+        self.tp_mesh = tensor_parallel.mesh if tensor_parallel is not None else None
+        self.boundaries: Any = None  # a traced cut's tensor-parallel all-reduces, counted
         self.schedule = schedule
         self.device = device
         self.stage = dist.get_rank(group)
@@ -113,7 +112,7 @@ class DistRunner:
         self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
 
     def _hold_layers(self, init_fn: Callable[[nn.Module], None] | None,
-                     tensor_parallel: tuple[TensorParallel, DeviceMesh] | None) -> None:
+                     tensor_parallel: TensorSplit | None) -> None:
         """This rank's layers materialised, split and sharded, the rest freed; the shared
         parameters to sum after each step (``synced``) and those this rank counts when
         clipping (``counted``), as they are after the split."""
@@ -133,7 +132,7 @@ class DistRunner:
             p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
         ]
 
-    def _split_layers(self, tensor_parallel: tuple[TensorParallel, DeviceMesh] | None
+    def _split_layers(self, tensor_parallel: TensorSplit | None
                       ) -> dict[int, nn.Parameter]:
         """Parallelize the local layers over ``tp`` (the user's ``fn(layer, tp_mesh)``), then
         let the data-parallel replicas shard them: ``id`` of each parameter before -> the
@@ -141,8 +140,7 @@ class DistRunner:
         paths = {id(p): (index, name) for index in self.local_layers
                  for name, p in self.model[index].named_parameters()}
         if tensor_parallel is not None:
-            plan, tp_mesh = tensor_parallel
-            parallelize([self.model[index] for index in self.local_layers], plan, tp_mesh)
+            self.boundaries = tensor_parallel.apply(self.local_layers)
             send_shards([self.model[layers[-1]] for c in self.schedule.chunks_of_stage[self.stage]
                          if c != self.schedule.chunks - 1 and (layers := self.layers_of[c])])
         self.data_parallel.shard([self.model[index] for index in self.local_layers])

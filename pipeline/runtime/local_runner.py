@@ -40,6 +40,8 @@ from pipeline.transports.threads import LocalTransport
 class LocalRunner:
     """Stages as threads of this process; results cross through a LocalTransport."""
 
+    boundaries = None  # no tensor parallelism in one process
+
     def __init__(
         self,
         model: nn.Sequential,

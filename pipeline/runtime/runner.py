@@ -66,6 +66,8 @@ class Runner(Protocol):
         sharding: how this stage's data-parallel replicas hold it (``NOT_SHARDED`` in one
             process).
         data_parallel: what the stage's replicas do together (``Alone`` in one process).
+        boundaries: a traced cut's tensor-parallel boundaries (``units.tp_graph``), whose
+            all-reduces they count; None without them.
     """
 
     schedule: Schedule
@@ -74,6 +76,7 @@ class Runner(Protocol):
     memory: tuple[MemoryReport, ...]
     trackers: tuple[ActivationTracker, ...]
     data_parallel: DataParallel
+    boundaries: Any
 
     @property
     def sharding(self) -> Sharding: ...

@@ -1,7 +1,10 @@
-"""Tensor parallelism inside a stage: the user's plan applied, DTensor outputs sent as shards.
+"""Tensor parallelism inside a stage: the plan applied to this rank's units, DTensor outputs sent as shards.
 
-``Pipe(..., tensor_parallel=fn)`` calls ``fn(layer, tp_mesh)`` on each local layer
-(``parallelize_module`` with the user's styles, say). Between stages only plain tensors
+``Distributed.from_mesh(mesh, tensor_parallel=plan)``: the cut applies ``plan`` to this
+rank's units (``Cut.parallelize``): ``"auto"`` or a dict of the model's module names to
+styles (a traced model is traced again at one rank's sizes, with Megatron's boundaries),
+or ``fn(layer, tp_mesh)`` on each local unit (``parallelize_module`` with the user's
+styles, say). Between stages only plain tensors
 travel: a chunk whose last layer returns a DTensor (a ``ColwiseParallel`` with
 ``use_local_output=False``) sends each tensor-parallel rank's local shard, through the
 differentiable ``to_local``, so the gradient coming back is that shard's. The next
@@ -13,20 +16,30 @@ torch's tensor-parallel styles read a local tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from units import Cut
+from units.cut import TensorParallelPlan
+
 from pipeline.compute.dtensors import is_dtensor
-from pipeline.group.distributed import TensorParallel
 
 
-def parallelize(layers: Sequence[nn.Module], plan: TensorParallel, tp_mesh: DeviceMesh) -> None:
-    """Apply ``plan`` to each layer, in model order."""
-    for layer in layers:
-        plan(layer, tp_mesh)
+@dataclass(frozen=True)
+class TensorSplit:
+    """``plan`` over ``mesh`` (the ``tp`` dimension), for ``cut``'s units."""
+
+    cut: Cut
+    plan: TensorParallelPlan
+    mesh: DeviceMesh
+
+    def apply(self, indices: Sequence[int]) -> Any:
+        """Split units ``indices`` (this rank's); what counts the all-reduces, or None."""
+        return self.cut.parallelize(self.plan, self.mesh, indices)
 
 
 def send_shards(last_layers: Sequence[nn.Module]) -> None:

@@ -1,0 +1,112 @@
+"""Rank functions for the tensor-parallel tests: Hugging Face models as written, in a mesh."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from pipeline import Distributed, Pipe
+from traced_models import VOCAB, lm_loss, loss_options, reference, tokens
+
+LLAMA_PLAN = {"model.layers.*.self_attn.q_proj": "colwise",
+              "model.layers.*.self_attn.k_proj": "colwise",
+              "model.layers.*.self_attn.v_proj": "colwise",
+              "model.layers.*.self_attn.o_proj": "rowwise",
+              "model.layers.*.mlp.gate_proj": "colwise",
+              "model.layers.*.mlp.up_proj": "colwise",
+              "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def hf_model(kind: str, layers: int = 4, kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
+    """A tiny Hugging Face causal LM (4 heads, ``kv_heads`` key/value heads, a tied head for
+    the Llama), random weights, float64."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=None))
+    elif kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=16, n_layer=layers, n_head=4, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
+    else:
+        raise ValueError(kind)
+    return model.double()
+
+
+GPT2_PLAN = {"transformer.h.*.attn.c_attn": ("packed_colwise", 3),
+             "transformer.h.*.attn.c_proj": "rowwise",
+             "transformer.h.*.mlp.c_fc": "colwise",
+             "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+def plan_of(name: str) -> Any:
+    from units.tp_plan import Style
+
+    if name == "auto":
+        return "auto"
+    plan = {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}[name]
+    return {key: Style(*value) if isinstance(value, tuple) else value
+            for key, value in plan.items()}
+
+
+def grad_errors(model: torch.nn.Module, local: set[int], expected: dict[str, torch.Tensor]
+                ) -> list[float]:
+    from torch.distributed.tensor import DTensor
+
+    errors = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in local or p.is_meta or p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        errors.append((grad - expected[name]).abs().max().item())
+    return errors
+
+
+def tp_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
+             cases: list[tuple[str, str, str, str]]) -> list[tuple[Any, ...]]:
+    """Per (model, plan, schedule, checkpoint): the loss error, the worst gradient error of
+    what this rank holds (whole, by the model's names), how many it compared, and the
+    all-reduces counted (forward, backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    replicas = mesh["dp"].size() if "dp" in names else 1
+    replica = mesh.get_local_rank("dp") if "dp" in names else 0
+    batch, target = tokens(rows=4 * replicas)
+    rows = 4
+    mine = {key: value[replica * rows:(replica + 1) * rows] for key, value in batch.items()}
+    mine_target = target[replica * rows:(replica + 1) * rows]
+    results = []
+    for kind, plan, schedule, mode in cases:
+        base = hf_model(kind)
+        loss_expected, grads_expected = reference(copy.deepcopy(base), batch, target, kind)
+        model = copy.deepcopy(base)
+        data_parallel = "fsdp" if replicas > 1 else "replicate"
+        with Pipe(model, chunks=2, schedule=schedule, checkpoint=mode, sample=mine,
+                  distributed=Distributed.from_mesh(mesh, data_parallel=data_parallel,
+                                                    tensor_parallel=plan_of(plan)),
+                  **loss_options(kind)) as pipe:
+            loss = pipe.step(mine, mine_target)
+            local = {id(p) for p in pipe.parameters()}
+            errors = grad_errors(model, local, grads_expected)
+            counts = pipe.tensor_parallel_counts
+            results.append((kind, plan, schedule, mode, abs(loss.item() - loss_expected),
+                            max(errors), len(errors), counts.forward, counts.backward))
+    return results
+
+
+__all__ = ["hf_model", "lm_loss", "plan_of", "tp_exact"]

@@ -1,0 +1,108 @@
+"""Tensor-parallel plans by the model's own names: which module splits how across ``tp``.
+
+A plan maps module names (the model's own, as ``named_modules`` lists them; ``*`` stands
+for one part of a name, a layer's index) to a style:
+
+- ``"colwise"``: a Linear's (or Hugging Face ``Conv1D``'s) output features split; its
+  input arrives whole on every rank.
+- ``"rowwise"``: its input features split; the ranks' partial outputs are summed (one
+  all-reduce), then the bias is added once.
+- ``"packed_colwise"``: ``"colwise"`` for a weight that packs several projections along its
+  output (``Style("packed_colwise", packs=3)`` for GPT-2's fused q, k, v; 2 by default, as
+  a fused gate and up projection in Hugging Face's plans): each pack splits on its own.
+- ``"replicated_with_grad_allreduce"``: parameters kept whole on every rank but applied to a
+  split value (Qwen3's per-head ``q_norm``): their gradients are summed over ``tp``.
+
+``"auto"`` is the plan a Hugging Face config ships (``base_model_tp_plan``), its names
+resolved under the base model's attribute (``model.layers.*`` in ``LlamaForCausalLM``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce")
+SPLITTING = ("colwise", "rowwise", "packed_colwise")
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one module splits: ``name`` one of ``STYLES``; ``packs``, for
+    ``"packed_colwise"``, how many projections its weight packs."""
+
+    name: str
+    packs: int = 2
+
+    def __post_init__(self) -> None:
+        if self.name not in STYLES:
+            raise ValueError(f"unknown tensor-parallel style {self.name!r}; expected one of "
+                             f"{', '.join(STYLES)}")
+        if self.packs < 1:
+            raise ValueError(f"Style({self.name!r}, packs={self.packs}): expected packs >= 1")
+
+
+PlanSpec = str | Mapping[str, "str | Style"]
+
+
+def resolve_plan(model: nn.Module, plan: PlanSpec) -> dict[str, Style]:
+    """Each module ``plan`` names in ``model``, by its name, and its style.
+
+    Raises:
+        ValueError: ``"auto"`` for a model whose config ships no plan; another string; a
+            pattern that matches no module; a style that is not one of ``STYLES``; one
+            module given two styles.
+    """
+    patterns = _patterns(model, plan)
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, Style] = {}
+    for pattern, given in patterns.items():
+        style = given if isinstance(given, Style) else _style(pattern, given)
+        expression = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))
+        matched = [name for name in names if expression.fullmatch(name)]
+        if not matched:
+            raise ValueError(
+                f"tensor-parallel plan: {pattern!r} matches no module of "
+                f"{type(model).__name__} (its modules are named like {names[:3]}; '*' stands "
+                f"for one part of a name, e.g. 'model.layers.*.mlp.up_proj')")
+        for name in matched:
+            if resolved.setdefault(name, style) != style:
+                raise ValueError(f"tensor-parallel plan: module {name!r} is given two styles, "
+                                 f"{resolved[name].name!r} and {style.name!r}")
+    return resolved
+
+
+def _style(pattern: str, given: object) -> Style:
+    if not isinstance(given, str):
+        raise ValueError(f"tensor-parallel plan: {pattern!r} -> {given!r}: expected a style "
+                         f"name ({', '.join(STYLES)}) or a Style")
+    if given not in STYLES:
+        raise ValueError(f"tensor-parallel plan: {pattern!r} has style {given!r}, which is "
+                         f"not one of {', '.join(STYLES)}")
+    return Style(given)
+
+
+def _patterns(model: nn.Module, plan: PlanSpec) -> Mapping[str, str | Style]:
+    if isinstance(plan, Mapping):
+        if not plan:
+            raise ValueError("tensor-parallel plan: an empty dict splits nothing; name the "
+                             "modules to split, or leave the mesh without a 'tp' dimension")
+        return plan
+    if plan != "auto":
+        raise ValueError(f"tensor_parallel={plan!r}: expected 'auto', a dict of module "
+                         f"names to styles, or fn(layer, tp_mesh)")
+    config = getattr(model, "config", None)
+    shipped = getattr(config, "base_model_tp_plan", None)
+    if not shipped:
+        raise ValueError(
+            f"tensor_parallel='auto' reads the plan a Hugging Face config ships "
+            f"(config.base_model_tp_plan); {type(model).__name__} has "
+            f"{'no config' if config is None else 'none in its config'}: pass a dict of "
+            f"module names to styles")
+    prefix = getattr(model, "base_model_prefix", "")
+    under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    return {f"{under}.{pattern}" if under else pattern: style
+            for pattern, style in shipped.items()}
