@@ -95,14 +95,14 @@ def placements(name: str, module: nn.Module, style: Style, tensor_name: str
 
     if style.name == "replicated_with_grad_allreduce":
         return [Replicate()]
-    out = output_dim(name, module)
-    if tensor_name == "bias":
-        return [Replicate()] if style.name == "rowwise" else [Shard(0)]
+    if tensor_name == "bias" and style.name == "rowwise":
+        return [Replicate()]
+    dim = 0 if tensor_name == "bias" else output_dim(name, module)
     if style.name == "rowwise":
-        return [Shard(1 - out)]
+        return [Shard(1 - dim)]
     if style.name == "packed_colwise" and style.packs > 1:
-        return [_StridedShard(out, split_factor=style.packs)]
-    return [Shard(out)]
+        return [_StridedShard(dim, split_factor=style.packs)]
+    return [Shard(dim)]
 
 
 def shard_parameters(model: nn.Module, styles: dict[str, Style], tp_mesh: Any,
@@ -142,7 +142,7 @@ def localized(model: nn.Module, styles: dict[str, Style], tp: int) -> nn.Module:
         if style.name not in SPLITTING:
             continue
         module = on_meta.get_submodule(name)
-        out = output_dim(name, module)
+        out = output_dim(name, model.get_submodule(name))
         for tensor_name, tensor in list(module.named_parameters(recurse=False)):
             dim = 0 if tensor_name == "bias" else (1 - out if style.name == "rowwise" else out)
             if tensor_name == "bias" and style.name == "rowwise":

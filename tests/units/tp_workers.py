@@ -41,6 +41,10 @@ def hf_model(kind: str, layers: int = 4, kv_heads: int = 2, seed: int = 0) -> to
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_embd=16, n_layer=layers, n_head=4, n_positions=64,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2))
+        with torch.no_grad():  # its biases start at zero: make them count
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.1)
     else:
         raise ValueError(kind)
     return model.double()
