@@ -12,6 +12,7 @@ nothing translates keys at a boundary.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -208,7 +209,8 @@ class Cut:
             self.check_keys(state, chosen)
         for index in chosen:
             unit = self.units[index]
-            own = {name: state[key] for name in unit.state_dict(keep_vars=True)
+            held_now = unit.state_dict(keep_vars=True)
+            own = {name: _like_held(state[key], held_now[name]) for name in held_now
                    if (key := self.key(index, name)) in state}
             unit.load_state_dict(own, strict=strict)
 
@@ -245,3 +247,14 @@ class Cut:
 
     def _indices(self, indices: Sequence[int] | None) -> Sequence[int]:
         return range(len(self.units)) if indices is None else indices
+
+
+def _like_held(value: Any, held_tensor: Any) -> Any:
+    """``value`` (a whole tensor) as the DTensor shard ``held_tensor`` is, where it is one
+    (tensor-parallel or FSDP shards: each rank slices its own, no communication)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(held_tensor, module.DTensor) \
+            or not isinstance(value, torch.Tensor) or isinstance(value, module.DTensor):
+        return value
+    return module.distribute_tensor(value.to(held_tensor.device), held_tensor.device_mesh,
+                                    held_tensor.placements, src_data_rank=None)

@@ -114,3 +114,67 @@ def tp_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
 
 
 __all__ = ["hf_model", "lm_loss", "plan_of", "tp_exact"]
+
+
+def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """The Llama at (pp=2, tp=2): the clipped norm against the plain model's, one SGD step
+    (lr=1) gathered whole by its names, saved; loaded into the plain model (strictly) and
+    into a (pp=2, dp=2) Pipe at tp=1; each against the plain model stepped alike."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import gather_state_dict, load_checkpoint, load_into_model, save_checkpoint
+
+    torch.set_num_threads(1)
+    batch, target = tokens(rows=4)
+    base = hf_model("llama")
+    plain = copy.deepcopy(base)
+    plain.zero_grad()
+    (lm_loss(plain(**batch), target) / (target[:, 1:] != -100).sum()).backward()
+    norm_expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05).item()
+    torch.optim.SGD(plain.parameters(), lr=1.0).step()
+    expected = plain.state_dict()
+    found: dict[str, Any] = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = copy.deepcopy(base)
+    with Pipe(model, chunks=2, sample=batch, **loss_options("llama"),
+              distributed=Distributed.from_mesh(mesh, tensor_parallel="auto")) as pipe:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=1.0)
+        pipe.step(batch, target)
+        found["norm_error"] = abs(pipe.clip_grad_norm_(0.05).item() - norm_expected)
+        optimizer.step()
+        state = gather_state_dict(pipe)
+        save_checkpoint(pipe, optimizer, directory, step=1)
+    if state is not None:
+        found["gathered_error"] = max((state[k] - expected[k]).abs().max().item()
+                                      for k in expected)
+        found["gathered_keys"] = sorted(state) == sorted(expected)
+    dist.barrier()
+    if rank == 0:
+        fresh = hf_model("llama", seed=5)
+        load_into_model(fresh, None, directory)
+        loaded = fresh.state_dict()
+        found["plain_error"] = max((loaded[k] - expected[k]).abs().max().item()
+                                   for k in expected)
+        found["plain_tied"] = fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    fresh = hf_model("llama", seed=5)
+    with Pipe(fresh, chunks=2, sample=batch, **loss_options("llama"),
+              distributed=Distributed.from_mesh(other)) as pipe:
+        assert load_checkpoint(pipe, None, directory) == 1
+        state = gather_state_dict(pipe)
+    if state is not None:
+        found["tp1_error"] = max((state[k] - expected[k]).abs().max().item() for k in expected)
+    for how in ("checkpoint", "state_dict"):
+        fresh = hf_model("llama", seed=5)
+        with Pipe(fresh, chunks=2, sample=batch, **loss_options("llama"),
+                  distributed=Distributed.from_mesh(mesh, tensor_parallel="auto")) as pipe:
+            if how == "checkpoint":
+                load_checkpoint(pipe, None, directory)
+            else:
+                pipe.load_state_dict(expected)
+            state = gather_state_dict(pipe)
+        if state is not None:
+            found[f"tp2_{how}_error"] = max((state[k] - expected[k]).abs().max().item()
+                                            for k in expected)
+    return found
