@@ -96,7 +96,7 @@ class Retracer:
                  install: Callable[[Unit, bool, Program, Any], None]) -> None:
         graph_module = self._trace(sample, training)
         if self.passes:  # not on the trace export_model keeps for other models
-            graph_module = _own_copy(graph_module)
+            graph_module = own_copy(graph_module)
         for graph_pass in self.passes:
             graph_pass(graph_module)
         programs, returned, _ = cut_units(graph_module, self.starts, self.default)
@@ -127,7 +127,7 @@ class Retracer:
         return _moved(graph_module, device)
 
 
-def _own_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
+def own_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     """``graph_module`` with a graph of its own (its attributes shared): a pass may change
     it without changing the trace ``export_model`` keeps."""
     graph = fx.Graph()

@@ -79,6 +79,17 @@ def grad_errors(model: torch.nn.Module, local: set[int], expected: dict[str, tor
     return errors
 
 
+def backward_times(timeline: Any) -> dict[str, float] | None:
+    """Seconds of the timeline's I, W and whole backward actions (rank 0; None elsewhere)."""
+    if timeline is None:
+        return None
+    times: dict[str, float] = {}
+    for event in timeline.events:
+        kind = event.action.op.name
+        times[kind] = times.get(kind, 0.0) + event.duration
+    return times
+
+
 def tp_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
              cases: list[tuple[str, str, str, str]]) -> list[tuple[Any, ...]]:
     """Per (model, plan, schedule, checkpoint): the loss error, the worst gradient error of
@@ -108,8 +119,10 @@ def tp_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
             local = {id(p) for p in pipe.parameters()}
             errors = grad_errors(model, local, grads_expected)
             counts = pipe.tensor_parallel_counts
+            timeline = pipe.timeline
             results.append((kind, plan, schedule, mode, abs(loss.item() - loss_expected),
-                            max(errors), len(errors), counts.forward, counts.backward))
+                            max(errors), len(errors), counts.forward, counts.backward,
+                            backward_times(timeline)))
     return results
 
 
