@@ -62,6 +62,10 @@ class Unit(nn.Module):
         of its own: its tensor-parallel shards')."""
         self._variants[training] = [(program, outputs)]
 
+    def drop_variants(self, training: bool) -> None:
+        """Run nothing in mode ``training`` until a trace adds a variant (``grow``)."""
+        self._variants[training] = []
+
     def add_variant(self, training: bool, program: Program, outputs: Outputs | None) -> None:
         """Run ``program`` (cut from a trace of other sizes) first where its inputs fit."""
         self._variants[training].insert(0, (program, outputs))

@@ -81,15 +81,18 @@ class Retracer:
             return True
 
     def retrace(self, sample: Any) -> None:
-        """Trace the model again on ``sample`` in both modes (its tensors as they are now:
-        tensor-parallel shards) and make each unit run only those programs.
+        """Trace the model again on ``sample`` in its present mode (its tensors as they are
+        now: tensor-parallel shards) and make each unit run only that program; the other
+        mode's programs are dropped, traced again on the first micro-batch run in it (a
+        trace costs seconds, and most runs never leave one mode).
 
         Raises:
             TraceError: the new trace fails, or cuts into units that read other tensors.
         """
         with self._lock:
-            for training in (True, False):
-                self._install(sample, training, Unit.replace_variants)
+            self._install(sample, self.model.training, Unit.replace_variants)
+            for unit in self.units:
+                unit.drop_variants(not self.model.training)
             self.added = {True: 0, False: 0}
 
     def _install(self, sample: Any, training: bool,

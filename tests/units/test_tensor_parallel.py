@@ -24,7 +24,7 @@ CASES = [("llama", "auto", "1f1b", "never"), ("llama", "auto", "zb-v", "always")
          ("llama", "auto", "interleaved-1f1b", "never"), ("llama", "llama", "zb-h1", "never"),
          ("qwen2", "auto", "1f1b", "never"), ("mistral", "auto", "1f1b", "always"),
          ("gpt2", "gpt2", "1f1b", "never")]
-BLOCKS_PER_STAGE = 2  # 4 blocks, 2 stages
+BLOCKS_PER_STAGE = 2  # the Llama's 4 blocks on 2 stages (the other models have 2 blocks)
 MICROBATCHES = 2
 
 
@@ -44,8 +44,9 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
         assert len(rows) == len(CASES)
         _check_exact(rows, f"rank {rank}")
         for kind, plan, schedule, mode, *_, forward, backward, times in rows:
-            if kind == "gpt2" or schedule in ("zb-v", "interleaved-1f1b"):
-                continue  # their stages hold other shares of the blocks
+            if kind != "llama" or schedule in ("zb-v", "interleaved-1f1b"):
+                continue  # 2 blocks (traces cost per block); V and interleaved stages
+                # hold other shares of the blocks
             # Megatron's pair: 2 all-reduces forward and 2 backward per block and
             # micro-batch (a recomputed forward runs its 2 again in the backward).
             blocks = BLOCKS_PER_STAGE * MICROBATCHES
@@ -53,7 +54,7 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
             assert backward == 2 * blocks, (rank, kind, mode)
             if schedule == "zb-h1" and times is not None:
                 # the split Linears' weight gradients were deferred to W
-                assert times["W"] > 0.2 * (times["I"] + times["W"]), times
+                assert times["W"] > 0.1 * (times["I"] + times["W"]), times
         assert state["norm_error"] < TOLERANCE  # clip_grad_norm_ across pp and tp
         if rank in (0, 1):  # the ranks that gather, per pipeline
             assert state["gathered_keys"]
@@ -62,6 +63,9 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
                 assert state[key] < TOLERANCE, (rank, key)
         if rank == 0:
             assert state["plain_error"] < TOLERANCE and state["plain_tied"]
+        if "eval_error" in state:  # the last stage's ranks: pipe(x) in evaluation mode
+            assert state["eval_error"] < TOLERANCE
+    assert sum("eval_error" in state for _, state in by_rank) == 2
 
 
 def test_a_llama_with_fsdp_and_tensor_parallelism_is_exact() -> None:

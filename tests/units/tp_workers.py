@@ -107,7 +107,7 @@ def tp_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
     mine_target = target[replica * rows:(replica + 1) * rows]
     results = []
     for kind, plan, schedule, mode in cases:
-        base = hf_model(kind)
+        base = hf_model(kind, layers=4 if kind == "llama" else 2)  # traces cost per layer
         loss_expected, grads_expected = reference(copy.deepcopy(base), batch, target, kind)
         model = copy.deepcopy(base)
         data_parallel = "fsdp" if replicas > 1 else "replicate"
@@ -158,6 +158,14 @@ def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
         optimizer.step()
         state = gather_state_dict(pipe)
         save_checkpoint(pipe, optimizer, directory, step=1)
+        pipe.eval()  # traced at one rank's sizes in evaluation mode on first use
+        with torch.no_grad():
+            output = pipe(batch)
+        if output is not None:
+            plain.eval()
+            with torch.no_grad():
+                logits = plain(**batch).logits
+            found["eval_error"] = (output.logits - logits).abs().max().item()
     if state is not None:
         found["gathered_error"] = max((state[k] - expected[k]).abs().max().item()
                                       for k in expected)
