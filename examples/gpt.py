@@ -162,6 +162,18 @@ def tensor_parallel_plan(layer: nn.Module, tp_mesh: DeviceMesh) -> None:
     })
 
 
+# The same split by the model's own names (``Distributed.from_mesh(mesh,
+# tensor_parallel=TENSOR_PARALLEL_BY_NAME)``): ``*`` is a block's index in the Sequential.
+TENSOR_PARALLEL_BY_NAME = {
+    "*.attention.query": "colwise",
+    "*.attention.key": "colwise",
+    "*.attention.value": "colwise",
+    "*.attention.projection": "rowwise",
+    "*.mlp.0": "colwise",
+    "*.mlp.2": "rowwise",
+}
+
+
 class LanguageModelLoss(nn.CrossEntropyLoss):
     """Cross-entropy of logits (batch, seq, vocab) against targets (batch, seq).
 

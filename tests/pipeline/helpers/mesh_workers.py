@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import zoo
-from examples.gpt import gpt, tensor_parallel_plan
+from examples.gpt import TENSOR_PARALLEL_BY_NAME, gpt, tensor_parallel_plan
 
 CHUNKS = 4
 SEED = 1234
@@ -45,8 +45,11 @@ def mesh_gpt(seed: int = 0, drop_path: float = 0.0, dropout: float = 0.0) -> nn.
 
 
 def plan_for(shape: Sequence[int]) -> Any:
-    """The GPT's tensor-parallel plan where the mesh (pp, dp[, tp]) has tp > 1, else None."""
-    return tensor_parallel_plan if len(shape) > 2 and shape[2] > 1 else None
+    """The GPT's tensor-parallel plan where the mesh (pp, dp[, tp]) has tp > 1, else None:
+    at tp=4 the dict of its module names, else the function (both split alike)."""
+    if len(shape) < 3 or shape[2] == 1:
+        return None
+    return TENSOR_PARALLEL_BY_NAME if shape[2] == 4 else tensor_parallel_plan
 
 
 def union_batch_of(replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +124,9 @@ def gpt_exact(rank: int, world: int, shape: Sequence[int], combinations: Sequenc
                         tensor_parallel=plan_for(shape)),
                     timeout=60.0)
         loss = float(pipe.step(x, y))
+        split = sum(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ())
+                    for p in pipe.parameters())
+        assert split > 0 or plan_for(shape) is None, "a plan that split nothing"
         found = full_grads(trained)
         rows.append((combination, abs(loss - expected_loss), worst(found, expected), len(found)))
         pipe.close()
