@@ -18,6 +18,7 @@ from pipeline.compute.shared import chunk_layers, shared_parameters, unique
 from pipeline.compute.slicing import build_chunks
 from pipeline.compute.tied_hooks import SharedGrads, chunk_users, refuse_hooks_across_ranks
 from pipeline.group.collectives import all_reduce, barrier
+from pipeline.compute.recompute import step_seed
 from pipeline.group.process_groups import clock_offset
 from pipeline.runtime.data_parallel import Alone, DataParallel, Sharding, local_part
 from pipeline.runtime.grad_norm import clip_spread_grads
@@ -229,7 +230,7 @@ class DistRunner:
             self.tracker.reset_peaks()
         step_inputs = StepInputs.on(inputs, targets, weights, schedule, self.device, self.device)
         origin = time.perf_counter()  # no barrier: ranks wait for each other's messages anyway
-        with step_of(self.chunks.values(), schedule):
+        with step_of(self.chunks.values(), schedule, self._step_seed()):
             result = self._run(step_inputs, infer=False)
         propagate_input_grads(step_inputs.inputs, [result])
         if self.tracker.measuring:
@@ -284,7 +285,7 @@ class DistRunner:
         step_inputs = StepInputs.on(inputs, None, None, schedule, self.device, None)
         self.data_parallel.begin_forward_only()
         try:
-            with step_of(self.chunks.values(), schedule), torch.no_grad():
+            with step_of(self.chunks.values(), schedule, self._step_seed()), torch.no_grad():
                 result = self._run(step_inputs, infer=True)
         finally:
             self.data_parallel.after_forward_only()
@@ -317,6 +318,17 @@ class DistRunner:
     def _close_chunks(self) -> None:
         for chunk in self.chunks.values():
             chunk.close()
+
+    def _step_seed(self) -> int | None:
+        """With tensor parallelism, one step seed for the stage's tp ranks (each draws one,
+        the largest is kept), so that a region every rank computes whole draws the same
+        numbers on each (their values must agree); else None (each draws its own)."""
+        if self.tp_mesh is None:
+            return None
+        seed = torch.tensor([step_seed()], dtype=torch.int64, device=self.device)
+        all_reduce(seed, self.tp_mesh.get_group(), self.timeout, "agreeing on the step's seed",
+                   dist.ReduceOp.MAX)
+        return int(seed.item())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over every rank's part of the gradients (``grad_norm``)."""

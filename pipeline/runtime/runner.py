@@ -124,11 +124,13 @@ class Plans:
 
 
 @contextmanager
-def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule) -> Iterator[None]:
-    """Around one step: every chunk starts it with this step's seed, commits what the step
-    deferred once it succeeded, and forgets everything the step kept, whatever happened."""
+def step_of(chunks: Iterable[ChunkRunner], schedule: Schedule, seed: int | None = None
+            ) -> Iterator[None]:
+    """Around one step: every chunk starts it with this step's seed (``seed``, or one drawn
+    here), commits what the step deferred once it succeeded, and forgets everything the
+    step kept, whatever happened."""
     chunks = list(chunks)
-    seed = step_seed()
+    seed = step_seed() if seed is None else seed
     split = {chunk for _, chunk in schedule.split_backward}
     for chunk in chunks:
         chunk.begin_step(seed, schedule.microbatches, chunk.spec.index in split)

@@ -34,6 +34,8 @@ def hf_model(kind: str, layers: int = 4, kv_heads: int = 2, seed: int = 0) -> to
             transformers.LlamaConfig(**common, tie_word_embeddings=True))
     elif kind == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif kind == "qwen3":  # per-head q_norm and k_norm: replicated_with_grad_allreduce
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=4))
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(
             transformers.MistralConfig(**common, sliding_window=None))
@@ -199,3 +201,32 @@ def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
             found[f"tp2_{how}_error"] = max((state[k] - expected[k]).abs().max().item()
                                             for k in expected)
     return found
+
+
+def tp_random(rank: int, world: int) -> float:
+    """GPT-2 with dropout everywhere at (pp=2, tp=2), each rank's generator seeded apart:
+    the largest difference between the tp ranks' gradients of the parameters they both hold
+    whole (norms, embeddings, row-split biases). Regions every rank computes whole draw the
+    same numbers on each, or those gradients part."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    model = hf_model("gpt2", layers=2)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.2
+    batch, target = tokens(rows=4)
+    torch.manual_seed(100 + rank)
+    with Pipe(model, chunks=2, sample=batch, **loss_options("gpt2"),
+              distributed=Distributed.from_mesh(mesh, tensor_parallel=plan_of("gpt2"))) as pipe:
+        pipe.step(batch, target)
+        whole = [p.grad.to_local() if isinstance(p, DTensor) else p.grad
+                 for p in pipe.parameters() if p.grad is not None
+                 and (not isinstance(p, DTensor) or p.placements == (Replicate(),))]
+    flat = torch.cat([g.flatten() for g in whole])
+    other = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(other, flat, group=mesh["tp"].get_group())
+    return (other[0] - other[1]).abs().max().item()
