@@ -8,9 +8,15 @@ unchanged, called as ``model(**batch)``; the script prints the cut it chose.
     python examples/train_hf.py --steps 30                        # one process, 2 stages
     torchrun --nproc-per-node 2 examples/train_hf.py --steps 30   # one stage per process
     torchrun --nproc-per-node 2 examples/train_hf.py --steps 2 --float64 --compare
+    torchrun --nproc-per-node 8 examples/train_hf.py --mesh 2,2,2 --float64 --compare
 
-``--compare`` checks the loss and every parameter's gradient, by the model's own names,
-against the plain model on the whole batch (float64: equal to 1e-10).
+``--mesh PP,DP,TP`` runs it in a device mesh: FSDP2 over the ``dp`` replicas (each on its
+share of the batch's rows) and tensor parallelism over ``tp`` by the plan the config ships
+(``tensor_parallel="auto"``: q, k, v, gate and up split by columns, o and down by rows).
+
+``--compare`` checks the loss and every parameter's gradient, by the model's own names
+(sharded ones gathered whole), against the plain model on the whole batch (float64:
+equal to 1e-10).
 """
 
 from __future__ import annotations
@@ -66,16 +72,47 @@ def token_count(labels: torch.Tensor) -> torch.Tensor:
 
 def compare(pipe: Pipe, plain: nn.Module, batch: dict[str, torch.Tensor], labels: torch.Tensor,
             loss: torch.Tensor) -> tuple[float, float, int]:
-    """(loss error, worst gradient error, parameters compared) against the plain model."""
+    """(loss error, worst gradient error, parameters compared) against the plain model on
+    the whole batch (a sharded gradient gathered whole: every rank of a stage calls it)."""
     plain.zero_grad()
     expected = lm_loss(plain(**batch), labels) / token_count(labels)
     expected.backward()
     held = {id(p) for p in pipe.parameters()}
     plain_grads = dict(plain.named_parameters(remove_duplicate=False))
-    errors = [(p.grad - plain_grads[name].grad).abs().max().item()
+    errors = [(whole(p.grad) - plain_grads[name].grad).abs().max().item()
               for name, p in pipe.source_model.named_parameters(remove_duplicate=False)
               if id(p) in held and p.grad is not None]
     return abs(loss.item() - expected.item()), max(errors), len(errors)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP or tensor-parallel shard) gathered whole; a tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def layout(mesh_text: str | None, distributed: bool, rows: int
+           ) -> tuple[dict[str, Any], slice]:
+    """The Pipe's process layout (``group=``, ``distributed=`` from a (pp, dp, tp) mesh, or
+    two CPU stages in one process) and this replica's rows of the batch."""
+    if not distributed:
+        return {"devices": ["cpu", "cpu"]}, slice(0, rows)
+    if mesh_text is None:
+        return {"group": dist.group.WORLD}, slice(0, rows)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import Distributed
+
+    pp, dp, tp = (int(part) for part in mesh_text.split(","))
+    if pp * dp * tp != dist.get_world_size() or rows % dp:
+        raise SystemExit(f"--mesh {mesh_text}: expected PP*DP*TP = {dist.get_world_size()} "
+                         f"processes and --rows divisible by DP, got --rows {rows}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    share = rows // dp
+    replica = mesh.get_local_rank("dp")
+    options = Distributed.from_mesh(mesh, data_parallel="fsdp",
+                                    tensor_parallel="auto" if tp > 1 else None)
+    return {"distributed": options}, slice(replica * share, (replica + 1) * share)
 
 
 def main() -> None:
@@ -88,6 +125,9 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--checkpoint", default="except_last")
     parser.add_argument("--float64", action="store_true")
+    parser.add_argument("--mesh", default=None, metavar="PP,DP,TP",
+                        help="a (pp, dp, tp) device mesh: FSDP over dp, tensor parallelism "
+                             "over tp by the config's plan")
     parser.add_argument("--compare", action="store_true",
                         help="check loss and gradients against the plain model each step")
     args = parser.parse_args()
@@ -100,9 +140,8 @@ def main() -> None:
     model = build_model(args.layers, dtype)
     plain = copy.deepcopy(model) if args.compare else None
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=3e-3) if plain else None
-    sample, _ = copy_task(args.rows, args.half, 0)
-    where: dict[str, Any] = ({"group": dist.group.WORLD} if distributed
-                             else {"devices": ["cpu", "cpu"]})
+    where, mine = layout(args.mesh, distributed, args.rows)
+    sample = {key: value[mine] for key, value in copy_task(args.rows, args.half, 0)[0].items()}
     with Pipe(model, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint,
               loss_fn=SummedLoss(lm_loss, token_count), sample=sample, **where) as pipe:
         if rank == 0:
@@ -112,7 +151,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
         for step in range(args.steps):
             batch, labels = copy_task(args.rows, args.half, step)
-            loss = pipe.step(batch, labels)
+            loss = pipe.step({key: value[mine] for key, value in batch.items()}, labels[mine])
             if plain is not None:
                 loss_error, grad_error, count = compare(pipe, plain, batch, labels, loss)
                 print(f"rank {rank} step {step}: loss error {loss_error:.1e}, gradient error "
