@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pipeline.compute.dtensors import is_dtensor
+
 Key = tuple[int, int]  # (microbatch, chunk)
 View = tuple[Key, int, int, tuple[int, ...], tuple[int, ...]]  # key, storage, offset, shape, stride
 Region = tuple[Key, int]  # (key, storage): the views of one storage saved for one key
@@ -172,4 +174,8 @@ def _union(spans: Iterable[tuple[int, int]]) -> int:
 
 
 def _storage(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s bytes are (a DTensor's: its local shard's, which a traced unit's
+    graph reads and autograd saves)."""
+    if is_dtensor(tensor):
+        tensor = tensor.to_local()
     return tensor.untyped_storage().data_ptr()

@@ -155,6 +155,9 @@ def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
     with Pipe(model, chunks=2, sample=batch, **loss_options("llama"),
               distributed=Distributed.from_mesh(mesh, tensor_parallel="auto")) as pipe:
         optimizer = torch.optim.SGD(pipe.parameters(), lr=1.0)
+        predicted = pipe.predict(batch, target)  # measures the chunks, all-reduces and all
+        found["predicted"] = predicted.makespan if predicted is not None else None
+        found["probed_reduces"] = pipe.tensor_parallel_counts.forward
         pipe.step(batch, target)
         found["norm_error"] = abs(pipe.clip_grad_norm_(0.05).item() - norm_expected)
         optimizer.step()
