@@ -77,7 +77,7 @@ def check_splittable(model: nn.Module, styles: dict[str, Style], tp: int) -> Non
             continue
         dim = output_dim(name, module) if style.name != "rowwise" \
             else 1 - output_dim(name, module)
-        size = module.weight.shape[dim]
+        size = _weight(module).shape[dim]
         parts = tp * (style.packs if style.name == "packed_colwise" else 1)
         if size % parts:
             what = (f"{style.packs} packs of {size // style.packs}"
@@ -156,9 +156,9 @@ def localized(model: nn.Module, styles: dict[str, Style], tp: int) -> nn.Module:
                 torch.empty(shape, dtype=tensor.dtype, device="meta"),
                 requires_grad=tensor.requires_grad))
         if style.name != "rowwise" and out == 1:
-            module.nf = module.nf // tp
+            setattr(module, "nf", int(getattr(module, "nf")) // tp)  # Conv1D's output width
         if style.name == "packed_colwise":
-            _localize_pack_widths(on_meta, name, module.weight.shape[out] * tp // style.packs,
+            _localize_pack_widths(on_meta, name, _weight(module).shape[out] * tp // style.packs,
                                   tp)
     return on_meta
 
@@ -168,6 +168,12 @@ def _localize_pack_widths(on_meta: nn.Module, name: str, width: int, tp: int) ->
     for attribute, value in list(vars(parent).items()):
         if not attribute.startswith("_") and type(value) is int and value == width:
             setattr(parent, attribute, width // tp)
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight")
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
