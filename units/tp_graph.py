@@ -13,16 +13,28 @@ shard on each rank; ``place_boundaries`` makes the ranks agree at its edges:
 
 So a transformer block costs one all-reduce per split pair forward and one backward, as in
 Megatron. ``Boundaries`` counts them (calls and bytes, each way) for tests and benchmarks.
+
+Randomness: a stage's tp ranks run each unit under one seed (the runtime agrees on the
+step's), so a region every rank computes whole (a residual dropout) draws the same numbers
+on each, as its values must agree. A random op inside a split region (attention dropout on
+a rank's heads) draws apart: it runs under a seed made from the generator's state and the
+rank, and leaves the state as it found it, so each shard gets a mask of its own (Megatron's
+model-parallel generator), the shared stream stays in step across the ranks, and a
+recomputed forward draws the same masks again.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from units.errors import TraceError
 from units.tp_plan import Style
@@ -45,13 +57,16 @@ class Counts:
 
 @dataclass(eq=False)
 class Boundaries:
-    """The ``tp`` group's two boundaries, as functions a graph calls (``enter``, ``leave``)."""
+    """The ``tp`` group's two boundaries, as functions a graph calls (``enter``, ``leave``),
+    and its random ops that draw apart per rank (``apart``)."""
 
     group: dist.ProcessGroup
     counts: Counts = field(default_factory=Counts)
+    rank: int = 0  # this process's rank in ``group``
 
     def __post_init__(self) -> None:
         boundaries = self
+        self._apart: dict[Any, Any] = {}
 
         def tp_enter(value: torch.Tensor) -> torch.Tensor:
             return _Enter.apply(value, boundaries)  # type: ignore[no-untyped-call,no-any-return]
@@ -61,6 +76,19 @@ class Boundaries:
 
         self.enter = tp_enter
         self.leave = tp_leave
+
+    def apart(self, op: Any) -> Any:
+        """``op`` (a random op), drawing apart on each rank (one function per op)."""
+        found = self._apart.get(op)
+        if found is None:
+            rank = self.rank
+
+            def tp_draw_apart(*args: Any, **kwargs: Any) -> Any:
+                with _drawing_apart(args, rank):
+                    return op(*args, **kwargs)
+
+            found = self._apart[op] = tp_draw_apart
+        return found
 
     def summed(self, value: torch.Tensor, backward: bool) -> torch.Tensor:
         """``value`` summed over the group (a new tensor), counted."""
@@ -129,7 +157,64 @@ def place_boundaries(graph_module: fx.GraphModule, styles: dict[str, Style],
             _leave_after(graph, node, boundaries)
     planned = {path for path, kind in role.items() if kind in ("column", "row")}
     _check_read_by_products(graph, planned)
+    for node in _split_random_ops(graph, boundaries):
+        node.target = boundaries.apart(node.target)
     graph_module.recompile()
+
+
+_RANDOM = {torch.ops.aten.dropout.default, torch.ops.aten.native_dropout.default,
+           torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default,
+           torch.ops.aten.bernoulli.default, torch.ops.aten.bernoulli.p,
+           torch.ops.aten.rand_like.default, torch.ops.aten.randn_like.default}
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def _split_random_ops(graph: fx.Graph, boundaries: Boundaries) -> list[fx.Node]:
+    """The random ops between a column-split product and the row-split one's sum: what
+    each rank computes on its own shard (attention's dropout on its heads)."""
+    split: set[fx.Node] = set()
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is boundaries.leave:
+            continue
+        entered = node.target in (_LINEAR, _ADDMM) and any(
+            isinstance(arg, fx.Node) and arg.target is boundaries.enter for arg in node.args)
+        if entered or any(arg in split for arg in node.all_input_nodes):
+            split.add(node)
+            if node.target in _RANDOM or (node.target is _ATTENTION
+                                          and _dropout_p(node) not in (0, 0.0)):
+                found.append(node)
+    return found
+
+
+def _dropout_p(node: fx.Node) -> Any:
+    if "dropout_p" in node.kwargs:
+        return node.kwargs["dropout_p"]
+    return node.args[4] if len(node.args) > 4 else 0.0
+
+
+@contextmanager
+def _drawing_apart(args: Any, rank: int) -> Iterator[None]:
+    """Run the body under a seed of this generator state and ``rank``, the state restored."""
+    device = next((leaf.device for leaf in pytree.tree_leaves(args)
+                   if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    on_cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if on_cuda else torch.get_rng_state()
+    seed = (zlib.crc32(state.numpy().tobytes()) * 1_000_003 + rank) % (2**63 - 1)
+    if on_cuda:
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        if on_cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
 
 
 def _roles(graph_module: fx.GraphModule, styles: dict[str, Style]) -> dict[str, str]:

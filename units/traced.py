@@ -65,7 +65,7 @@ class TracedCut(Cut):
         check_splittable(self.model, styles, tp)
         local = {name for index in indices for name in self.infos[index].modules}
         shard_parameters(self.model, styles, tp_mesh, local)
-        boundaries = Boundaries(tp_mesh.get_group())
+        boundaries = Boundaries(tp_mesh.get_group(), rank=tp_mesh.get_local_rank())
         self.retracer.localize = lambda model: localized(model, styles, tp)
         self.retracer.passes = [lambda graph: place_boundaries(graph, styles, boundaries)]
         try:

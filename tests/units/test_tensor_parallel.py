@@ -142,3 +142,27 @@ def test_a_block_traced_at_one_ranks_sizes_has_one_boundary_pair_per_split_pair(
               if node.op == "call_function" and getattr(node.target, "__name__", "")
               in ("tp_enter", "tp_leave")]
     assert called.count("tp_enter") == 2 * 2 and called.count("tp_leave") == 2 * 2
+
+
+def test_random_ops_in_a_split_region_draw_apart_and_the_others_alike() -> None:
+    """GPT-2 with every dropout on: the attention's (on a rank's heads) draws apart per rank,
+    the residual and embedding dropouts (whole on every rank) draw alike."""
+    from tp_workers import plan_of
+
+    model = hf_model("gpt2", layers=2)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.2
+    model.config.attn_pdrop = 0.2
+    batch, _ = tokens(rows=2, length=6)
+    styles = resolve_plan(model, plan_of("gpt2"))
+    local = localized(model, styles, 2)
+    on_meta = {key: value.to("meta") for key, value in batch.items()}
+    graph_module = own_copy(export_model(local, on_meta, modes(local))[0])
+    random = [node for node in graph_module.graph.nodes if node.op == "call_function"
+              and "dropout" in str(node.target) or "scaled_dot_product" in str(node.target)]
+    place_boundaries(graph_module, styles, Boundaries(group=None))  # type: ignore[arg-type]
+    apart = [node for node in graph_module.graph.nodes
+             if getattr(node.target, "__name__", "") == "tp_draw_apart"]
+    assert len(apart) == 2  # one attention per block
+    assert len(random) - len(apart) == 1 + 2 * 2  # embedding, two residual dropouts a block

@@ -128,8 +128,8 @@ def test_mesh_options_it_cannot_honour_are_refused_by_name(
             "unknown data_parallel 'zero'; expected one of: replicate, fsdp",
             "reshard_after_forward=True applies to data_parallel='fsdp' only, got "
             "data_parallel='replicate'",
-            "the mesh's 'tp' dimension is 2: pass tensor_parallel=fn(layer, tp_mesh) to say how "
-            "each layer splits across it",
+            "the mesh's 'tp' dimension is 2: pass tensor_parallel='auto', a dict of module names "
+            "to styles, or fn(layer, tp_mesh) to say how each stage splits across it",
             "tensor_parallel= needs a mesh with a 'tp' dimension, got dimensions ('pp', 'dp')",
         ]
 
