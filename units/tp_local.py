@@ -16,13 +16,13 @@ Hugging Face's ``Conv1D`` (a weight stored (in, out), its width in ``nf``).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from torch import nn
 
 from units.tp_plan import SPLITTING, Style
+from units.variants import on_meta as copy_on_meta
 
 # config attribute -> the planned modules whose outputs it counts, by their last name part
 _HEAD_COUNTS = {"num_attention_heads": ("q_proj", "c_attn", "qkv_proj", "query"),
@@ -131,13 +131,7 @@ def localized(model: nn.Module, styles: dict[str, Style], tp: int) -> nn.Module:
     a planned module is its shard's size, a ``Conv1D``'s ``nf`` its local width, and an
     integer attribute of a packed module's parent that equals one pack's width (GPT-2's
     ``split_size``, with which it splits the packed output) is the local pack's width."""
-    memo: dict[int, Any] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        empty = torch.empty_like(local, device="meta")
-        memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
-                            if isinstance(tensor, nn.Parameter) else empty)
-    on_meta = copy.deepcopy(model, memo)
+    on_meta = copy_on_meta(model)
     for name, style in styles.items():
         if style.name not in SPLITTING:
             continue

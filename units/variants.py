@@ -125,7 +125,7 @@ class Retracer:
         leaves = [leaf for leaf in pytree.tree_leaves(sample) if isinstance(leaf, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
-        copy_on_meta = (self.localize or _on_meta)(self.model)
+        copy_on_meta = (self.localize or on_meta)(self.model)
         graph_module = export_model(copy_on_meta, on_meta, self.modes[training])[0]
         return _moved(graph_module, device)
 
@@ -142,11 +142,13 @@ def own_copy(graph_module: fx.GraphModule) -> fx.GraphModule:
     return copied
 
 
-def _on_meta(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose every tensor is an empty one on ``meta``, of its kind."""
+def on_meta(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose every tensor is an empty one on ``meta``, of its kind (a
+    DTensor's of its local shard's size)."""
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        empty = torch.empty_like(tensor, device="meta")
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        empty = torch.empty_like(local, device="meta")
         memo[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
                             if isinstance(tensor, nn.Parameter) else empty)
     return copy.deepcopy(model, memo)
