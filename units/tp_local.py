@@ -78,9 +78,9 @@ def check_splittable(model: nn.Module, styles: dict[str, Style], tp: int) -> Non
         dim = output_dim(name, module) if style.name != "rowwise" \
             else 1 - output_dim(name, module)
         size = _weight(module).shape[dim]
-        parts = tp * (style.packs if style.name == "packed_colwise" else 1)
+        parts = tp * style.parts
         if size % parts:
-            what = (f"{style.packs} packs of {size // style.packs}"
+            what = (f"{style.parts} packs of {size // style.parts}"
                     if style.name == "packed_colwise" else f"{size}")
             raise ValueError(
                 f"{name!r} ({style.name}) splits its weight's dimension {dim} ({what}) over "
@@ -100,8 +100,8 @@ def placements(name: str, module: nn.Module, style: Style, tensor_name: str
     dim = 0 if tensor_name == "bias" else output_dim(name, module)
     if style.name == "rowwise":
         return [Shard(1 - dim)]
-    if style.name == "packed_colwise" and style.packs > 1:
-        return [_StridedShard(dim, split_factor=style.packs)]
+    if style.parts > 1:
+        return [_StridedShard(dim, split_factor=style.parts)]
     return [Shard(dim)]
 
 
@@ -152,7 +152,7 @@ def localized(model: nn.Module, styles: dict[str, Style], tp: int) -> nn.Module:
         if style.name != "rowwise" and out == 1:
             setattr(module, "nf", int(getattr(module, "nf")) // tp)  # Conv1D's output width
         if style.name == "packed_colwise":
-            _localize_pack_widths(on_meta, name, _weight(module).shape[out] * tp // style.packs,
+            _localize_pack_widths(on_meta, name, _weight(module).shape[out] * tp // style.parts,
                                   tp)
     return on_meta
 

@@ -8,8 +8,10 @@ for one part of a name, a layer's index) to a style:
 - ``"rowwise"``: its input features split; the ranks' partial outputs are summed (one
   all-reduce), then the bias is added once.
 - ``"packed_colwise"``: ``"colwise"`` for a weight that packs several projections along its
-  output (``Style("packed_colwise", packs=3)`` for GPT-2's fused q, k, v; 2 by default, as
-  a fused gate and up projection in Hugging Face's plans): each pack splits on its own.
+  output: each pack splits on its own. How many it packs is read from the module that
+  holds it where that says (GPT-2's attention splits ``c_attn``'s output by its
+  ``split_size``: 3 packs, q, k and v), else 2 (a fused gate and up projection, as in
+  Hugging Face's plans); ``Style("packed_colwise", packs=3)`` says it outright.
 - ``"replicated_with_grad_allreduce"``: parameters kept whole on every rank but applied to a
   split value (Qwen3's per-head ``q_norm``): their gradients are summed over ``tp``.
 
@@ -35,14 +37,19 @@ class Style:
     ``"packed_colwise"``, how many projections its weight packs."""
 
     name: str
-    packs: int = 2
+    packs: int | None = None  # "packed_colwise": None reads it from the model (resolve_plan)
 
     def __post_init__(self) -> None:
         if self.name not in STYLES:
             raise ValueError(f"unknown tensor-parallel style {self.name!r}; expected one of "
                              f"{', '.join(STYLES)}")
-        if self.packs < 1:
+        if self.packs is not None and self.packs < 1:
             raise ValueError(f"Style({self.name!r}, packs={self.packs}): expected packs >= 1")
+
+    @property
+    def parts(self) -> int:
+        """How many pieces of its split dimension one rank's share is made of."""
+        return (self.packs or 2) if self.name == "packed_colwise" else 1
 
 
 PlanSpec = str | Mapping[str, "str | Style"]
@@ -69,10 +76,28 @@ def resolve_plan(model: nn.Module, plan: PlanSpec) -> dict[str, Style]:
                 f"{type(model).__name__} (its modules are named like {names[:3]}; '*' stands "
                 f"for one part of a name, e.g. 'model.layers.*.mlp.up_proj')")
         for name in matched:
+            style = _with_packs(model, name, style)
             if resolved.setdefault(name, style) != style:
                 raise ValueError(f"tensor-parallel plan: module {name!r} is given two styles, "
                                  f"{resolved[name].name!r} and {style.name!r}")
     return resolved
+
+
+def _with_packs(model: nn.Module, name: str, style: Style) -> Style:
+    """``style`` with its pack count, for ``"packed_colwise"`` where none was given: the
+    ratio of the module's output width to a width its holder splits it by
+    (``split_size``, ``embed_dim``, ``hidden_size``: GPT-2's attention), else 2."""
+    if style.name != "packed_colwise" or style.packs is not None:
+        return style
+    module = model.get_submodule(name)
+    width = getattr(module, "out_features", None) or getattr(module, "nf", None)
+    holder = model.get_submodule(name.rpartition(".")[0])
+    for attribute in ("split_size", "embed_dim", "hidden_size"):
+        part = getattr(holder, attribute, None)
+        if isinstance(width, int) and type(part) is int and 0 < part < width \
+                and width % part == 0:
+            return Style(style.name, packs=width // part)
+    return Style(style.name, packs=2)
 
 
 def _style(pattern: str, given: object) -> Style:

@@ -105,6 +105,17 @@ def test_a_plan_that_names_nothing_or_no_style_is_refused(plan, message) -> None
         resolve_plan(hf_model("llama", layers=2), plan)
 
 
+def test_a_packed_projection_counts_its_packs_from_its_holder() -> None:
+    from tp_workers import plan_of
+
+    gpt2 = resolve_plan(hf_model("gpt2", layers=2), plan_of("gpt2"))
+    assert gpt2["transformer.h.1.attn.c_attn"] == Style("packed_colwise", packs=3)  # q, k, v
+    fused = torch.nn.Sequential(torch.nn.Linear(4, 16))  # a gate and up projection, say
+    assert resolve_plan(fused, {"0": "packed_colwise"})["0"] == Style("packed_colwise", packs=2)
+    told = resolve_plan(fused, {"0": Style("packed_colwise", packs=4)})["0"]
+    assert told.packs == 4 and told.parts == 4
+
+
 def test_auto_needs_a_config_that_ships_a_plan() -> None:
     with pytest.raises(ValueError, match="base_model_tp_plan"):
         resolve_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), "auto")

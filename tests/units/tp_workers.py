@@ -52,20 +52,14 @@ def hf_model(kind: str, layers: int = 4, kv_heads: int = 2, seed: int = 0) -> to
     return model.double()
 
 
-GPT2_PLAN = {"transformer.h.*.attn.c_attn": ("packed_colwise", 3),
+GPT2_PLAN = {"transformer.h.*.attn.c_attn": "packed_colwise",  # 3 packs, from split_size
              "transformer.h.*.attn.c_proj": "rowwise",
              "transformer.h.*.mlp.c_fc": "colwise",
              "transformer.h.*.mlp.c_proj": "rowwise"}
 
 
 def plan_of(name: str) -> Any:
-    from units.tp_plan import Style
-
-    if name == "auto":
-        return "auto"
-    plan = {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}[name]
-    return {key: Style(*value) if isinstance(value, tuple) else value
-            for key, value in plan.items()}
+    return "auto" if name == "auto" else {"llama": LLAMA_PLAN, "gpt2": GPT2_PLAN}[name]
 
 
 def grad_errors(model: torch.nn.Module, local: set[int], expected: dict[str, torch.Tensor]
