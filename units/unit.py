@@ -49,6 +49,8 @@ class Unit(nn.Module):
         self.lifted: set[str] = set()  # buffers of constants the trace lifted out of the code
         # The first unit's way to a trace for a micro-batch that no variant runs (or None).
         self.grow: Callable[[Any, bool], bool] | None = None
+        # Every unit's way to programs of a mode it has none of (traced at first use).
+        self.fill: Callable[[bool], None] | None = None
 
     @property
     def graphs(self) -> tuple[fx.GraphModule, ...]:
@@ -61,6 +63,10 @@ class Unit(nn.Module):
         """Run ``program`` alone in mode ``training`` (a trace of the model at other sizes
         of its own: its tensor-parallel shards')."""
         self._variants[training] = [(program, outputs)]
+
+    def graphs_of(self, training: bool) -> tuple[fx.GraphModule, ...]:
+        """The traced programs it runs in mode ``training``."""
+        return tuple(program.module for program, _ in self._variants[training])
 
     def drop_variants(self, training: bool) -> None:
         """Run nothing in mode ``training`` until a trace adds a variant (``grow``)."""
@@ -77,6 +83,9 @@ class Unit(nn.Module):
         training = self._mode()
         values = self._call.flatten(carried) if self._call is not None else carried
         variant = self._pick(training, values)
+        if variant is None and not self._variants[training] and self.fill is not None:
+            self.fill(training)  # a mode dropped to be traced at first use: now
+            variant = self._pick(training, values)
         if variant is None and self._grown(carried, training):
             variant = self._pick(training, values)
         if variant is None:
@@ -110,6 +119,8 @@ class Unit(nn.Module):
         """Before a step, where the batch is given (every rank that has it): trace the sizes
         of a micro-batch that no variant runs or whose guards it breaks (the first unit),
         so that the units of later stages, on other ranks too, have its variant."""
+        if not self._variants[training] and self.fill is not None:
+            self.fill(training)
         values = self._call.flatten(carried) if self._call is not None else carried
         variant = self._pick(training, values)
         if variant is None or not _guards_pass(variant[0], values):

@@ -84,7 +84,8 @@ class Retracer:
         """Trace the model again on ``sample`` in its present mode (its tensors as they are
         now: tensor-parallel shards) and make each unit run only that program; the other
         mode's programs are dropped, traced again on the first micro-batch run in it (a
-        trace costs seconds, and most runs never leave one mode).
+        trace costs seconds, and most runs never leave one mode): on ``sample`` then, by
+        whichever unit runs in it first, on any rank.
 
         Raises:
             TraceError: the new trace fails, or cuts into units that read other tensors.
@@ -93,7 +94,17 @@ class Retracer:
             self._install(sample, self.model.training, Unit.replace_variants)
             for unit in self.units:
                 unit.drop_variants(not self.model.training)
+                unit.fill = self._filler(sample)
             self.added = {True: 0, False: 0}
+
+    def _filler(self, sample: Any) -> Callable[[bool], None]:
+        """Trace ``sample`` in a mode whose programs were dropped, for every unit (once:
+        the first unit of any rank to run in that mode asks, the others find them)."""
+        def fill(training: bool) -> None:
+            with self._lock:
+                if not self.units[0].graphs_of(training):
+                    self._install(sample, training, Unit.add_variant)
+        return fill
 
     def _install(self, sample: Any, training: bool,
                  install: Callable[[Unit, bool, Program, Any], None]) -> None:

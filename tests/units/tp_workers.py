@@ -158,8 +158,8 @@ def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
         state = gather_state_dict(pipe)
         save_checkpoint(pipe, optimizer, directory, step=1)
         pipe.eval()  # traced at one rank's sizes in evaluation mode on first use
-        with torch.no_grad():
-            output = pipe(batch)
+        with torch.no_grad():  # the batch on the first stage only: the last traces alone
+            output = pipe(batch if mesh.get_local_rank("pp") == 0 else None)
         if output is not None:
             plain.eval()
             with torch.no_grad():
