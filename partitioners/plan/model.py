@@ -10,6 +10,7 @@ from split_backward import SplitMode
 from units import Cut
 
 from partitioners.cut.memory import DataParallelism
+from partitioners.plan.tensor_parallel import TensorParallelism, split_costs
 from partitioners.plan.search import CHECKPOINTS, Plan, plan
 from partitioners.plan.costs import Hop
 
@@ -35,6 +36,7 @@ def plan_for_model(
     prune: bool = True,
     data_parallel: DataParallelism | None = None,
     split_backward: SplitMode = "auto",
+    tensor_parallel: TensorParallelism | None = None,
 ) -> Plan:
     """Profile ``model`` at each micro-batch size the search needs, then ``plan``.
 
@@ -58,6 +60,9 @@ def plan_for_model(
         prune: as for ``plan`` (False: every candidate simulated, e.g. to draw them all).
         split_backward: how a zero-bubble schedule splits a backward, as
             ``Pipe(split_backward=...)``: the I and W that are priced are the ones it runs.
+        tensor_parallel: how each stage's tp ranks split its units
+            (``plan.tensor_parallel``): each unit's measured work and bytes scaled to one
+            rank's share, its all-reduces added. None: no tensor parallelism.
 
     Returns:
         The Plan; ``plan.pipe_options()`` are ``Pipe``'s keyword arguments for it.
@@ -81,9 +86,10 @@ def plan_for_model(
     layers = model.units if isinstance(model, Cut) else model
 
     def measured(size: int) -> Any:
-        return profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
-                       progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
-                       split_backward=split_backward)
+        costs = profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
+                        progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
+                        split_backward=split_backward)
+        return costs if tensor_parallel is None else split_costs(costs, tensor_parallel)
 
     found = plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
                  checkpoints, optimizer_factor=optimizer_factor,

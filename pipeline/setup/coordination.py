@@ -24,15 +24,17 @@ def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: i
                 samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
                 memory_limit: float | None, ranks: Ranks,
                 deciders: Ranks | None = None, data_parallel: Any = None,
-                split_backward: SplitMode = "auto") -> Any:
+                split_backward: SplitMode = "auto", tensor_parallel: Any = None) -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
     rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
     is (a batch, its target or None, the loss function or None): with both of the last
     two, the loss is profiled too. ``ranks`` (the pipeline) calibrate the hop between
     stages; ``deciders`` (default ``ranks``; in a mesh every rank of it, so that replicas
     and tensor-parallel ranks run one plan) take their first rank's plan;
-    ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas;
-    ``split_backward`` is the Pipe's, so that the I and W priced are those it runs."""
+    ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas,
+    ``tensor_parallel`` (``partitioners.plan.tensor_parallel.TensorParallelism``) the tp
+    ranks' shares and all-reduces; ``split_backward`` is the Pipe's, so that the I and W
+    priced are those it runs."""
     sample, target, loss_fn = samples
     from partitioners import plan_for_model
 
@@ -62,6 +64,7 @@ def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: i
             checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
             else (check_mode(checkpoint),),
             data_parallel=data_parallel, split_backward=split_backward,
+            tensor_parallel=tensor_parallel,
         )
 
     return (deciders or ranks).decide(make, "planning")
@@ -91,3 +94,32 @@ def replicas_of(settings: Distributed | None, device: torch.device, timeout: flo
     return DataParallelism(dist.get_world_size(settings.data_group),
                            settings.data_parallel == "fsdp", settings.reshard_after_forward,
                            slowest_link(settings.data_group, device, timeout))
+
+
+def tensor_parallelism_of(settings: Distributed | None, cut: Cut, device: torch.device,
+                          timeout: float) -> Any:
+    """A ``TensorParallelism`` for the plan where a plan by names splits ``cut`` over a
+    ``tp`` dimension: per unit, the share of its parameter bytes in split modules and its
+    row-split products, and the slowest hop between tp ranks (every tp rank calibrates
+    it). None without, or for ``fn(layer, tp_mesh)`` (what it splits is not known here)."""
+    tp_mesh = settings.tp_mesh if settings is not None else None
+    plan = settings.tensor_parallel if settings is not None else None
+    if tp_mesh is None or plan is None or callable(plan):
+        return None
+    from partitioners.plan.tensor_parallel import TensorParallelism
+    from pipeline.group.links import slowest_link
+    from units.tp_plan import SPLITTING, resolve_plan
+
+    styles = resolve_plan(cut.model, plan)
+    split: list[float] = []
+    reductions: list[int] = []
+    for info, unit in zip(cut.infos, cut.units):
+        mine = {name: style for name, style in styles.items()
+                if any(name == held or name.startswith(f"{held}.") for held in info.modules)}
+        whole = sum(p.numel() for p in unit.parameters())
+        parts = sum(p.numel() for name, style in mine.items() if style.name in SPLITTING
+                    for p in cut.model.get_submodule(name).parameters())
+        split.append(min(1.0, parts / whole) if whole else 0.0)
+        reductions.append(sum(style.name == "rowwise" for style in mine.values()))
+    return TensorParallelism(tp_mesh.size(), tuple(split), tuple(reductions),
+                             slowest_link(tp_mesh.get_group(), device, timeout))
