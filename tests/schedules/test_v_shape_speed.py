@@ -4,14 +4,8 @@ import pytest
 
 from schedules.action import Action, Op, Schedule
 from schedules.dependencies import dependency_keys
-from schedules.v_shape import (
-    SPINES,
-    _CappedReplay,
-    _critical_order,
-    _ReplayPlan,
-    _Stalled,
-    v_memory_cap,
-)
+from schedules.v_replay import CappedReplay, ReplayPlan, Stalled
+from schedules.v_shape import SPINES, _critical_order, v_memory_cap
 
 
 def _scanned(critical, cap, window, room):
@@ -72,11 +66,11 @@ def test_every_replay_equals_the_plain_scan(variant):
                 order = tuple(_critical_order(spine, stages, stage, microbatches, gap)
                               for stage in range(stages))
                 critical = Schedule(stages, microbatches, order, placement, name=variant)
-                plan = _ReplayPlan(critical)
+                plan = ReplayPlan(critical)
                 for window, room in replays:
                     try:
-                        fast = _CappedReplay(plan, cap, window, room).run()
-                    except _Stalled as stalled:
+                        fast = CappedReplay(plan, cap, window, room).run()
+                    except Stalled as stalled:
                         fast = ("stalled", stalled.args[0])
                     expected = _scanned(critical, cap, window, room)
                     assert fast == expected, (stages, microbatches, spine, gap, window, room)
