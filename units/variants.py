@@ -135,9 +135,9 @@ class Retracer:
             return export_model(self.model, sample, self.modes[training])[0]
         leaves = [leaf for leaf in pytree.tree_leaves(sample) if isinstance(leaf, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
-        on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
-        copy_on_meta = (self.localize or on_meta)(self.model)
-        graph_module = export_model(copy_on_meta, on_meta, self.modes[training])[0]
+        sample_on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
+        model_on_meta = (self.localize or on_meta)(self.model)
+        graph_module = export_model(model_on_meta, sample_on_meta, self.modes[training])[0]
         return _moved(graph_module, device)
 
 
