@@ -22,7 +22,7 @@ TOLERANCE = 1e-10
 # (model, plan, schedule, checkpoint): the bars' models and schedules, 4 ranks, (pp=2, tp=2)
 CASES = [("llama", "auto", "1f1b", "never"), ("llama", "auto", "zb-v", "always"),
          ("llama", "auto", "interleaved-1f1b", "never"), ("llama", "llama", "zb-h1", "never"),
-         ("qwen2", "auto", "1f1b", "never"), ("mistral", "auto", "1f1b", "always"),
+         ("qwen2", "auto", "1f1b", "always"),  # Mistral's attention is Llama's: by hand
          ("qwen3", "auto", "zb-h1", "never"),  # replicated_with_grad_allreduce norms
          ("gpt2", "gpt2", "1f1b", "never")]
 BLOCKS_PER_STAGE = 2  # the Llama's 4 blocks on 2 stages (the other models have 2 blocks)
@@ -76,11 +76,7 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
     assert sum("eval_error" in state for _, state, _ in by_rank) == 2
 
 
-def test_a_llama_with_fsdp_and_tensor_parallelism_is_exact() -> None:
-    cases = [("llama", "auto", "zb-h1", "never")]
-    by_rank = run_ranks(tp_exact, 8, (2, 2, 2), ("pp", "dp", "tp"), cases, timeout=900)
-    for rank, rows in enumerate(by_rank):
-        _check_exact(rows, f"rank {rank} of (pp=2, dp=2, tp=2)")
+# (pp=2, dp=2, tp=2) with FSDP under ZB-H1: tests/test_train_hf.py, through the example.
 
 
 def test_auto_reads_the_plan_the_config_ships() -> None:
