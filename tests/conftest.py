@@ -62,11 +62,6 @@ MEASURED = frozenset({
 })
 
 
-# Files with a test of a minute or more on 2 cores (--durations): run first.
-LONGEST_FILES = frozenset({"test_tensor_parallel.py", "test_train_hf.py", "test_types.py",
-                           "test_notebooks.py", "test_traced_ranks.py"})
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # Registered in setup.cfg too; here as well so that a run from another ini still knows it.
     config.addinivalue_line("markers", "slow: starts processes or runs long; "
@@ -88,10 +83,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         warnings.warn(pytest.PytestConfigWarning(
             f"tests/conftest.py MEASURED names tests that were not collected: "
             f"{sorted(MEASURED - matched)}"), stacklevel=1)
-    # The longest files first (whole files, so that their module fixtures stay shared):
-    # under pytest-xdist a minute-long test that starts last keeps one worker busy while
-    # the other has nothing left.
-    items.sort(key=lambda item: Path(str(item.fspath)).name not in LONGEST_FILES)
 
 
 def _functions_of(item: pytest.Item) -> Iterator[Callable[..., Any]]:
