@@ -91,6 +91,16 @@ class Cut:
 
     # -- keys ---------------------------------------------------------------------------
 
+    def check_split(self, plan: TensorParallelPlan, tp: int) -> None:
+        """Raise ValueError for a plan ``parallelize`` would refuse, before anything is split
+        or freed (a function plan is the user's: nothing to check).
+
+        Raises:
+            ValueError: as ``parallelize``.
+        """
+        if not callable(plan):
+            self._torch_styles(resolve_plan(self.model, plan))
+
     def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
                     ) -> Any:
         """Split units ``indices`` over ``tp_mesh``: ``fn(layer, tp_mesh)`` on each, or by
@@ -106,20 +116,10 @@ class Cut:
             for index in indices:
                 plan(self.units[index], tp_mesh)
             return None
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from torch.distributed.tensor.parallel import parallelize_module
 
-        torch_styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
         styles = resolve_plan(self.model, plan)
-        refused = {name: style.name for name, style in styles.items()
-                   if style.name not in torch_styles}
-        if refused:
-            raise ValueError(
-                f"a Sequential's layers run as written, split by torch's ColwiseParallel and "
-                f"RowwiseParallel: styles 'colwise' and 'rowwise' only, got {refused}")
+        torch_styles = self._torch_styles(styles)
         for index in indices:
             prefix = f"{self._places[index]}."
             own = {name.removeprefix(prefix): torch_styles[style.name]()
@@ -127,6 +127,24 @@ class Cut:
             if own:
                 parallelize_module(self.units[index], tp_mesh, own)
         return None
+
+    @staticmethod
+    def _torch_styles(styles: dict[str, Any]) -> dict[str, Any]:
+        """torch's style class for each of ``styles``' names.
+
+        Raises:
+            ValueError: a style other than ``"colwise"`` and ``"rowwise"``.
+        """
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        known = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        refused = {name: style.name for name, style in styles.items()
+                   if style.name not in known}
+        if refused:
+            raise ValueError(
+                f"a Sequential's layers run as written, split by torch's ColwiseParallel and "
+                f"RowwiseParallel: styles 'colwise' and 'rowwise' only, got {refused}")
+        return known
 
     def key(self, index: int, name: str) -> str:
         """The model's key of ``name`` in unit ``index``'s own state dict."""

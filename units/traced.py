@@ -42,6 +42,12 @@ class TracedCut(Cut):
         self.retracer: Retracer | None = None  # set by cut_model
         self.sample: Any = None  # the batch it was traced with
 
+    def check_split(self, plan: TensorParallelPlan, tp: int) -> None:
+        """Raise ValueError, before anything is split or freed, for a plan by names the
+        model cannot take over ``tp`` ranks (``units.tp_local.check_splittable``)."""
+        if not callable(plan):
+            check_splittable(self.model, resolve_plan(self.model, plan), tp)
+
     def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
                     ) -> Boundaries | None:
         """Split the model over ``tp_mesh`` by ``plan`` (``"auto"`` or a dict of the model's
@@ -62,7 +68,7 @@ class TracedCut(Cut):
         assert self.retracer is not None
         tp = tp_mesh.size()
         styles = resolve_plan(self.model, plan)
-        check_splittable(self.model, styles, tp)
+        self.check_split(plan, tp)
         local = {name for index in indices for name in self.infos[index].modules}
         shard_parameters(self.model, styles, tp_mesh, local)
         boundaries = Boundaries(tp_mesh.get_group(), rank=tp_mesh.get_local_rank())

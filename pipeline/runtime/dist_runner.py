@@ -118,6 +118,8 @@ class DistRunner:
         parameters to sum after each step (``synced``) and those this rank counts when
         clipping (``counted``), as they are after the split."""
         model, schedule = self.model, self.schedule
+        if tensor_parallel is not None:  # refused before any layer is freed or split
+            tensor_parallel.check()
         self.shared = shared_parameters(model)
         synced, owner_stage = shared_across_stages(model, self.balance, schedule,
                                                    self.local_layers, self.shared)

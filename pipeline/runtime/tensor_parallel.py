@@ -37,6 +37,10 @@ class TensorSplit:
     plan: TensorParallelPlan
     mesh: DeviceMesh
 
+    def check(self) -> None:
+        """Raise ValueError for a plan the cut cannot take (``Cut.check_split``)."""
+        self.cut.check_split(self.plan, self.mesh.size())
+
     def apply(self, indices: Sequence[int]) -> Any:
         """Split units ``indices`` (this rank's); what counts the all-reduces, or None."""
         return self.cut.parallelize(self.plan, self.mesh, indices)

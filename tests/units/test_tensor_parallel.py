@@ -60,6 +60,8 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
             if schedule == "zb-h1" and times is not None:
                 # the split Linears' weight gradients were deferred to W
                 assert times["W"] > 0.1 * (times["I"] + times["W"]), times
+        # a plan the model cannot take is refused at Pipe(), the model as it was
+        assert "lm_head.weight is tied to" in state["refused"] and state["kept"], rank
         assert state["norm_error"] < TOLERANCE  # clip_grad_norm_ across pp and tp
         # predict() measured the chunks with their all-reduces (and changed nothing: the
         # step after it is exact), every rank of a pipeline the same simulated step

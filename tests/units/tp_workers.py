@@ -146,6 +146,14 @@ def tp_state(rank: int, world: int, directory: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     model = copy.deepcopy(base)
+    try:  # the head is tied to the embedding: refused before any layer is freed or split
+        Pipe(model, chunks=2, sample=batch, **loss_options("llama"),
+             distributed=Distributed.from_mesh(mesh, tensor_parallel={"lm_head": "colwise"}))
+    except ValueError as error:
+        found["refused"] = str(error)
+    found["kept"] = all(not p.is_meta and type(p) is torch.nn.Parameter and
+                        torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters()))
+    model = copy.deepcopy(base)
     with Pipe(model, chunks=2, sample=batch, **loss_options("llama"),
               distributed=Distributed.from_mesh(mesh, tensor_parallel="auto")) as pipe:
         optimizer = torch.optim.SGD(pipe.parameters(), lr=1.0)
