@@ -101,8 +101,8 @@ class Cut:
         if not callable(plan):
             self._torch_styles(resolve_plan(self.model, plan))
 
-    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
-                    ) -> Any:
+    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int],
+                    timeout: float | None = None) -> Any:
         """Split units ``indices`` over ``tp_mesh``: ``fn(layer, tp_mesh)`` on each, or by
         a dict of the model's module names (``"3.attn.q"``) to ``"colwise"`` and
         ``"rowwise"``, applied with torch's ``ColwiseParallel`` and ``RowwiseParallel``

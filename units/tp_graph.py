@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ class Boundaries:
     group: dist.ProcessGroup
     counts: Counts = field(default_factory=Counts)
     rank: int = 0  # this process's rank in ``group``
+    timeout: float | None = None  # seconds an all-reduce may wait for the others (the Pipe's)
 
     def __post_init__(self) -> None:
         boundaries = self
@@ -93,7 +95,15 @@ class Boundaries:
     def summed(self, value: torch.Tensor, backward: bool) -> torch.Tensor:
         """``value`` summed over the group (a new tensor), counted."""
         total = value.contiguous().clone()
-        dist.all_reduce(total, group=self.group)
+        work = dist.all_reduce(total, group=self.group, async_op=True)
+        try:
+            work.wait(None if self.timeout is None else timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"a tensor-parallel all-reduce ({'backward' if backward else 'forward'}) "
+                f"across the {dist.get_world_size(self.group)} tp ranks did not complete "
+                f"within {self.timeout}s (a rank died, hung or is too slow: raise "
+                f"Pipe(timeout=...)): {error}") from error
         size = total.numel() * total.element_size()
         if backward:
             self.counts.backward += 1

@@ -48,13 +48,14 @@ class TracedCut(Cut):
         if not callable(plan):
             check_splittable(self.model, resolve_plan(self.model, plan), tp)
 
-    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int]
-                    ) -> Boundaries | None:
+    def parallelize(self, plan: TensorParallelPlan, tp_mesh: Any, indices: Sequence[int],
+                    timeout: float | None = None) -> Boundaries | None:
         """Split the model over ``tp_mesh`` by ``plan`` (``"auto"`` or a dict of the model's
         module names to styles, ``units.tp_plan``): the planned modules of units
         ``indices`` get DTensor shards of their parameters, and every unit a program traced
         at one rank's sizes with Megatron's boundaries (``units.tp_graph``), whose
-        all-reduces ``Boundaries`` counts. A callable is called on each unit of
+        all-reduces ``Boundaries`` counts (each waiting at most ``timeout`` seconds for the
+        other ranks). A callable is called on each unit of
         ``indices`` (``fn(unit, tp_mesh)``) and nothing is traced again.
 
         Raises:
@@ -71,7 +72,8 @@ class TracedCut(Cut):
         self.check_split(plan, tp)
         local = {name for index in indices for name in self.infos[index].modules}
         shard_parameters(self.model, styles, tp_mesh, local)
-        boundaries = Boundaries(tp_mesh.get_group(), rank=tp_mesh.get_local_rank())
+        boundaries = Boundaries(tp_mesh.get_group(), rank=tp_mesh.get_local_rank(),
+                                timeout=timeout)
         self.retracer.localize = lambda model: localized(model, styles, tp)
         self.retracer.passes = [lambda graph: place_boundaries(graph, styles, boundaries)]
         try:

@@ -94,7 +94,7 @@ class AcrossRanks:
                                          bool(schedule.split_backward))
         return DistRunner(cut.units, list(balance), schedule, device, options, self.timeout,
                           distributed.group, distributed.init_fn, distributed.transport,
-                          data_parallel, _tensor_split(distributed, cut))
+                          data_parallel, _tensor_split(distributed, cut, self.timeout))
 
 
 def default_devices(stages: int) -> list[torch.device]:
@@ -112,9 +112,9 @@ def processes(distributed: Distributed | None, timeout: float) -> Processes:
     return AcrossRanks(distributed, timeout)
 
 
-def _tensor_split(distributed: Distributed, cut: Cut) -> TensorSplit | None:
+def _tensor_split(distributed: Distributed, cut: Cut, timeout: float) -> TensorSplit | None:
     """How ``cut`` splits over the mesh's ``tp`` dimension, where there is one and a plan."""
     tp_mesh = distributed.tp_mesh
     if distributed.tensor_parallel is None or tp_mesh is None:
         return None
-    return TensorSplit(cut, distributed.tensor_parallel, tp_mesh)
+    return TensorSplit(cut, distributed.tensor_parallel, tp_mesh, timeout)

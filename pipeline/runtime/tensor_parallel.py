@@ -36,6 +36,7 @@ class TensorSplit:
     cut: Cut
     plan: TensorParallelPlan
     mesh: DeviceMesh
+    timeout: float  # the Pipe's: how long a tp all-reduce waits for the other ranks
 
     def check(self) -> None:
         """Raise ValueError for a plan the cut cannot take (``Cut.check_split``)."""
@@ -43,7 +44,7 @@ class TensorSplit:
 
     def apply(self, indices: Sequence[int]) -> Any:
         """Split units ``indices`` (this rank's); what counts the all-reduces, or None."""
-        return self.cut.parallelize(self.plan, self.mesh, indices)
+        return self.cut.parallelize(self.plan, self.mesh, indices, self.timeout)
 
 
 def send_shards(last_layers: Sequence[nn.Module]) -> None:

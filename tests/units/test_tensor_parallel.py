@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.pipeline.helpers.dist_harness import in_turn, run_ranks
-from tp_workers import LLAMA_PLAN, hf_model, tp_exact, tp_random, tp_state
+from tp_workers import LLAMA_PLAN, hf_model, tp_exact, tp_random, tp_silent_peer, tp_state
 from traced_models import tokens
 from units.tp_graph import Boundaries, place_boundaries
 from units.tp_local import check_splittable, localized
@@ -76,6 +76,13 @@ def test_hugging_face_models_split_by_their_names_are_exact(tmp_path) -> None:
         if "eval_error" in state:  # the last stage's ranks: pipe(x) in evaluation mode
             assert state["eval_error"] < TOLERANCE
     assert sum("eval_error" in state for _, state, _ in by_rank) == 2
+
+
+def test_a_silent_tp_peer_fails_the_all_reduce_within_the_timeout() -> None:
+    waited, _, message = run_ranks(tp_silent_peer, 2)[0].partition("s: ")
+    assert 1.5 < float(waited) < 5.0, waited
+    assert "tensor-parallel all-reduce (forward) across the 2 tp ranks did not complete " \
+           "within 2.0s" in message and "Pipe(timeout=...)" in message
 
 
 # (pp=2, dp=2, tp=2) with FSDP under ZB-H1: tests/test_train_hf.py, through the example.

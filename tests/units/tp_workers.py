@@ -235,3 +235,24 @@ def tp_random(rank: int, world: int) -> float:
     other = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(other, flat, group=mesh["tp"].get_group())
     return (other[0] - other[1]).abs().max().item()
+
+
+def tp_silent_peer(rank: int, world: int) -> str:
+    """Rank 1 never joins a tensor-parallel all-reduce: rank 0's gives up after its timeout
+    (2 s), saying so; rank 1 waits out that time."""
+    import time
+
+    import torch.distributed as dist
+
+    from units.tp_graph import Boundaries
+
+    boundaries = Boundaries(dist.group.WORLD, timeout=2.0)
+    if rank == 1:
+        time.sleep(6.0)
+        return ""
+    start = time.perf_counter()
+    try:
+        boundaries.summed(torch.ones(3), backward=False)
+    except RuntimeError as error:
+        return f"{time.perf_counter() - start:.1f}s: {error}"
+    return "completed"
