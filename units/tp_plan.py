@@ -24,11 +24,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch import nn
 
 STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce")
 SPLITTING = ("colwise", "rowwise", "packed_colwise")
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -68,19 +70,30 @@ def resolve_plan(model: nn.Module, plan: PlanSpec) -> dict[str, Style]:
     resolved: dict[str, Style] = {}
     for pattern, given in patterns.items():
         style = given if isinstance(given, Style) else _style(pattern, given)
-        expression = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))
-        matched = [name for name in names if expression.fullmatch(name)]
-        if not matched:
-            raise ValueError(
-                f"tensor-parallel plan: {pattern!r} matches no module of "
-                f"{type(model).__name__} (its modules are named like {names[:3]}; '*' stands "
-                f"for one part of a name, e.g. 'model.layers.*.mlp.up_proj')")
-        for name in matched:
+        for name in modules_matching(model, pattern, "tensor-parallel plan", names):
             style = _with_packs(model, name, style)
             if resolved.setdefault(name, style) != style:
                 raise ValueError(f"tensor-parallel plan: module {name!r} is given two styles, "
                                  f"{resolved[name].name!r} and {style.name!r}")
     return resolved
+
+
+def modules_matching(model: nn.Module, pattern: str, plan: str,
+                     names: list[str] | None = None) -> list[str]:
+    """The names of ``model``'s modules that ``pattern`` matches (``*``: one part of a name).
+
+    Raises:
+        ValueError: it matches none (``plan`` says which plan asked).
+    """
+    names = names if names is not None else [name for name, _ in model.named_modules() if name]
+    expression = re.compile(r"[^.]+".join(re.escape(part) for part in pattern.split("*")))
+    matched = [name for name in names if expression.fullmatch(name)]
+    if not matched:
+        raise ValueError(
+            f"{plan}: {pattern!r} matches no module of {type(model).__name__} (its modules "
+            f"are named like {names[:3]}; '*' stands for one part of a name, e.g. "
+            f"'model.layers.*.mlp.up_proj')")
+    return matched
 
 
 def _with_packs(model: nn.Module, name: str, style: Style) -> Style:
@@ -127,6 +140,12 @@ def _patterns(model: nn.Module, plan: PlanSpec) -> Mapping[str, str | Style]:
             f"(config.base_model_tp_plan); {type(model).__name__} has "
             f"{'no config' if config is None else 'none in its config'}: pass a dict of "
             f"module names to styles")
+    return under_base_model(model, shipped)
+
+
+def under_base_model(model: nn.Module, shipped: Mapping[str, V]) -> dict[str, V]:
+    """A plan a Hugging Face config ships (names under its base model) by ``model``'s own
+    names: under the base model's attribute (``model.`` in ``LlamaForCausalLM``)."""
     prefix = getattr(model, "base_model_prefix", "")
     under = prefix if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     return {f"{under}.{pattern}" if under else pattern: style

@@ -16,6 +16,7 @@ the latter builds new ones.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import os
 import traceback
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from units.calls import CallSpec, as_call
+from units.ep_dispatch import opaque_experts
 from units.errors import TraceError
 from units.signature import ModelState
 from units.programs import is_subgraph
@@ -38,8 +40,8 @@ from units.programs import is_subgraph
 _KEPT_TRACES = 16
 
 
-def export_model(model: nn.Module, sample: Any, modes: tuple[bool, ...]
-                 ) -> tuple[torch.fx.GraphModule, CallSpec]:
+def export_model(model: nn.Module, sample: Any, modes: tuple[bool, ...],
+                 opaque: tuple[str, ...] = ()) -> tuple[torch.fx.GraphModule, CallSpec]:
     """``model``'s forward on ``sample``, each submodule in the mode ``modes`` gives it (in
     ``model.modules()`` order), as a graph (``_export``), kept for the next model of the
     same make: a trace costs seconds, and a Pipe built on a copy of a model (every rank and
@@ -47,20 +49,32 @@ def export_model(model: nn.Module, sample: Any, modes: tuple[bool, ...]
     tensors by name at each call, so a trace serves every model whose modules, tensors'
     names, shapes and dtypes, attributes of any type, instance forwards, hooks, modes and
     config are the same (``ModelState.same_make``); anything else is traced anew. The last
-    ``_KEPT_TRACES`` are kept, without the tensors of the model they were traced on."""
-    key = _fingerprint(model, sample, modes)
+    ``_KEPT_TRACES`` are kept, without the tensors of the model they were traced on.
+
+    ``opaque`` names experts modules (``units.ep_plan``) traced as one call each
+    (``units.ep_dispatch``): what they compute inside is not traced (a loop over the
+    experts a token picked, which a graph cannot follow), and the call can become a token
+    exchange."""
+    key = (_fingerprint(model, sample, modes), opaque)
     state = ModelState.of(model)
     for index, (kept_key, kept_state, trace) in enumerate(_TRACES):
         if kept_key == key and kept_state.same_make(state):
             _TRACES.append(_TRACES.pop(index))  # most recently used last
             return trace
-    graph_module, call = _export(model, sample, modes)
+    traced = opaque_experts(_sharing_tensors(model), list(opaque)) if opaque else model
+    graph_module, call = _export(traced, sample, modes)
     _TRACES.append((key, state, (_without_model_state(graph_module), call)))
     del _TRACES[:-_KEPT_TRACES]
     return _TRACES[-1][2]
 
 
 _TRACES: list[tuple[Any, ModelState, tuple[torch.fx.GraphModule, CallSpec]]] = []
+
+
+def _sharing_tensors(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s modules that holds the model's own tensors."""
+    return copy.deepcopy(model, {id(tensor): tensor for tensor in
+                                 [*model.parameters(), *model.buffers()]})
 
 
 def _fingerprint(model: nn.Module, sample: Any, modes: tuple[bool, ...]) -> Any:

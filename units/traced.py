@@ -20,12 +20,14 @@ from units.boundaries import block_run, forward_order
 from units.errors import TraceError
 from units.programs import Program
 from units.signature import ModelState, mode_differences, modes
+from units.ep_dispatch import Exchange, local_experts, place_dispatch
+from units.ep_plan import ExpertPlan, check_expert_split, resolve_expert_plan, shard_experts
 from units.tp_graph import Boundaries, place_boundaries
 from units.tp_local import check_splittable, localized, shard_parameters
 from units.tp_plan import resolve_plan
 from units.trace import export_model
 from units.unit import Unit, attach
-from units.variants import Retracer, cut_units
+from units.variants import Retracer, cut_units, on_meta
 
 
 class TracedCut(Cut):
@@ -74,8 +76,10 @@ class TracedCut(Cut):
         shard_parameters(self.model, styles, tp_mesh, local)
         boundaries = Boundaries(tp_mesh.get_group(), rank=tp_mesh.get_local_rank(),
                                 timeout=timeout)
-        self.retracer.localize = lambda model: localized(model, styles, tp)
-        self.retracer.passes = [lambda graph: place_boundaries(graph, styles, boundaries)]
+        earlier = self.retracer.localize
+        self.retracer.localize = lambda model: localized(
+            earlier(model) if earlier is not None else model, styles, tp)
+        self.retracer.passes.append(lambda graph: place_boundaries(graph, styles, boundaries))
         try:
             self.retracer.retrace(self.sample)
         except TraceError as error:
@@ -86,6 +90,39 @@ class TracedCut(Cut):
                 f"leave that module out of the plan") from error
         self._state = ModelState.of(self.model)
         return boundaries
+
+    def check_expert_split(self, plan: ExpertPlan, ep: int) -> None:
+        """Raise ValueError, before anything is sharded or freed, for an expert plan the
+        model cannot take over ``ep`` ranks (``units.ep_plan.check_expert_split``)."""
+        check_expert_split(self.model, resolve_expert_plan(self.model, plan), ep)
+
+    def parallelize_experts(self, plan: ExpertPlan, ep_mesh: Any, indices: Sequence[int],
+                            timeout: float | None = None) -> Exchange:
+        """Spread the experts of the modules ``plan`` marks (``units.ep_plan``) over
+        ``ep_mesh``: those of units ``indices`` get ``DTensor`` shards of their parameters
+        (1/ep of the experts each), and every unit a program traced with each experts
+        module one call that ``units.ep_dispatch.Exchange`` makes a token exchange (its
+        all-to-alls each waiting at most ``timeout`` seconds for the other ranks).
+
+        Raises:
+            ValueError: a plan the model cannot take (``check_expert_split``).
+        """
+        assert self.retracer is not None
+        names = resolve_expert_plan(self.model, plan)
+        check_expert_split(self.model, names, ep_mesh.size())
+        local = {name for index in indices for name in self.infos[index].modules}
+        shard_experts(self.model, names, ep_mesh, local)
+        exchange = Exchange(ep_mesh.get_group(), self.model, timeout)
+        missing = [name for name in names if name not in self.retracer.opaque]
+        if missing:
+            raise ValueError(f"expert parallelism needs the experts modules traced as one call "
+                             f"each: cut the model with cut_model(..., experts={names}) (Pipe "
+                             f"does, given a mesh with an 'ep' dimension); {missing} were not")
+        self.retracer.localize = self.retracer.localize or on_meta  # its shards' sizes
+        self.retracer.passes.append(lambda graph: place_dispatch(graph, exchange))
+        self.retracer.retrace(self.sample)
+        self._state = ModelState.of(self.model)
+        return exchange
 
     @property
     def takes_batch_as_written(self) -> bool:
@@ -156,8 +193,8 @@ class TracedCut(Cut):
         return first
 
 
-def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
-              ) -> TracedCut:
+def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None,
+              experts: Sequence[str] = ()) -> TracedCut:
     """Trace ``model`` with ``sample`` (training and evaluation modes) and cut it.
 
     Args:
@@ -167,6 +204,10 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
         units: module names (as in ``model.named_modules()``) where units begin, in the
             order the forward runs them; None: the prologue, each block of the model's
             main run of same-class blocks, and the epilogue.
+        experts: names of experts modules (``units.ep_plan``), each traced as one call
+            that runs the module as it is written (a loop over the experts picked, which a
+            graph cannot follow, runs too); ``parallelize_experts`` makes them token
+            exchanges.
 
     Raises:
         TraceError: the model cannot be traced, or ``units`` names no module it runs.
@@ -198,7 +239,7 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
     call = None
     mixes = _traced_modes(model)
     for training in (True, False):
-        graph_module, call = export_model(model, sample, mixes[training])
+        graph_module, call = export_model(model, sample, mixes[training], tuple(experts))
         if units is None and training:  # the order the forward runs them, not their names'
             starts = forward_order(graph_module.graph, starts) or starts
         traced[training] = graph_module
@@ -216,7 +257,9 @@ def cut_model(model: nn.Module, sample: Any, units: Sequence[str] | None = None
     units_run = [unit for unit in assembled.units if isinstance(unit, Unit)]
     # the first unit traces the sizes no variant runs, under the cut's rewrites
     assembled.retracer = Retracer(model, units_run, starts, units is None, mixes,
-                                  assembled.rewrites)
+                                  assembled.rewrites, tuple(experts))
+    if experts:
+        assembled.rewrite(local_experts(model))
     assembled.sample = sample
     units_run[0].grow = assembled.retracer
     return assembled

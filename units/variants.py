@@ -52,8 +52,10 @@ class Retracer:
 
     def __init__(self, model: nn.Module, units: Sequence[Unit], starts: Sequence[str],
                  default: bool, modes: dict[bool, tuple[bool, ...]],
-                 rewrites: Sequence[Callable[[fx.GraphModule], Any]]) -> None:
+                 rewrites: Sequence[Callable[[fx.GraphModule], Any]],
+                 opaque: tuple[str, ...] = ()) -> None:
         self.model = model
+        self.opaque = opaque  # experts modules traced as one call each (units.ep_dispatch)
         self.units = list(units)
         self.starts = list(starts)
         self.default = default
@@ -132,12 +134,13 @@ class Retracer:
         graph's ``meta`` devices become the batch's."""
         if self.localize is None and not any(
                 t.is_meta for t in [*self.model.parameters(), *self.model.buffers()]):
-            return export_model(self.model, sample, self.modes[training])[0]
+            return export_model(self.model, sample, self.modes[training], self.opaque)[0]
         leaves = [leaf for leaf in pytree.tree_leaves(sample) if isinstance(leaf, torch.Tensor)]
         device = leaves[0].device if leaves else torch.device("cpu")
         sample_on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample)
         model_on_meta = (self.localize or on_meta)(self.model)
-        graph_module = export_model(model_on_meta, sample_on_meta, self.modes[training])[0]
+        graph_module = export_model(model_on_meta, sample_on_meta, self.modes[training],
+                                    self.opaque)[0]
         return _moved(graph_module, device)
 
 
