@@ -133,7 +133,8 @@ class Pipe(PipeViews, ModelLike):
                                 schedule_options=schedule_options,
                                 traced_sample=None if isinstance(model, nn.Sequential) else inputs)
         self.source_model = check_model(model)
-        self.cut: Cut = cut_of(self.source_model, inputs, units)  # what every model becomes
+        self.cut: Cut = cut_of(self.source_model, inputs, units,  # what every model becomes
+                               settings.expert_parallel if settings is not None else None)
         self.model = self.cut.units
         self.cut.ties  # noqa: B018 - read while every rank still holds every layer
         self.timeout, self._closed, self._distributed = timeout, False, settings

@@ -15,6 +15,7 @@ import torch
 
 from schedules import Schedule, Timeline
 from units import Cut, UnitInfo
+from units.ep_dispatch import ExchangeCounts
 from units.tp_graph import Counts
 
 from pipeline.compute.activations import MemoryReport
@@ -130,6 +131,15 @@ class PipeViews:
         names, else None."""
         boundaries = self._runner.boundaries if self._runner is not None else None
         return boundaries.counts if boundaries is not None else None
+
+    @property
+    def expert_parallel_counts(self) -> ExchangeCounts | None:
+        """This rank's expert-parallel all-to-alls of token rows so far (calls and bytes,
+        forward and backward, and the rows its experts computed;
+        ``units.ep_dispatch.ExchangeCounts``) where experts are spread over ``ep``, else
+        None."""
+        exchange = self._runner.exchange if self._runner is not None else None
+        return exchange.counts if exchange is not None else None
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:

@@ -128,6 +128,17 @@ class Cut:
                 parallelize_module(self.units[index], tp_mesh, own)
         return None
 
+    def check_expert_split(self, plan: Any, ep: int) -> None:
+        """Raise ValueError: a Sequential's layers are not traced, so no experts module of
+        theirs can become a token exchange (a traced cut spreads them)."""
+        raise ValueError("expert parallelism spreads the experts modules of a traced model: "
+                         "give the Pipe the model as it is written, not an nn.Sequential")
+
+    def parallelize_experts(self, plan: Any, ep_mesh: Any, indices: Sequence[int],
+                            timeout: float | None = None) -> Any:
+        """As ``check_expert_split``: refused for a Sequential."""
+        self.check_expert_split(plan, ep_mesh.size())
+
     @staticmethod
     def _torch_styles(styles: dict[str, Any]) -> dict[str, Any]:
         """torch's style class for each of ``styles``' names.

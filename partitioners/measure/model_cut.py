@@ -15,9 +15,11 @@ from torch import nn
 
 from split_backward.traced_linears import defer_traced_linears
 from units import Cut, cut_model
+from units.ep_plan import resolve_expert_plan
 
 
-def cut_of(model: nn.Module, sample: Any = None, units: Sequence[str] | None = None) -> Cut:
+def cut_of(model: nn.Module, sample: Any = None, units: Sequence[str] | None = None,
+           expert_plan: Any = None) -> Cut:
     """``model`` as the pipeline runs it.
 
     Args:
@@ -26,13 +28,20 @@ def cut_of(model: nn.Module, sample: Any = None, units: Sequence[str] | None = N
         sample: a batch as the model takes it (a list of micro-batches: the first);
             needed for a model that is not a Sequential.
         units: for a traced model, the module names where units begin.
+        expert_plan: an expert-parallel plan (``units.ep_plan``): its experts modules are
+            traced as one call each, which expert parallelism makes token exchanges.
 
     Raises:
-        ValueError: ``units=`` for an nn.Sequential, or a model that cannot be traced
-            (``units.TraceError`` is a ValueError).
+        ValueError: ``units=`` or ``expert_plan`` for an nn.Sequential, a plan that marks
+            no module, or a model that cannot be traced (``units.TraceError`` is a
+            ValueError).
         TypeError: ``units`` is not a list of module names.
     """
     if isinstance(model, nn.Sequential):
+        if expert_plan is not None:
+            raise ValueError(
+                "expert parallelism spreads the experts modules of a traced model: give the "
+                "Pipe the model as it is written, not an nn.Sequential of its blocks")
         if units is not None:
             raise ValueError(
                 f"units= sets where a traced model's units begin; an nn.Sequential's layers "
@@ -43,6 +52,7 @@ def cut_of(model: nn.Module, sample: Any = None, units: Sequence[str] | None = N
     if isinstance(units, str) or (units is not None and not all(
             isinstance(name, str) for name in units)):
         raise TypeError(f"units must be a list of module names, got {units!r}")
-    cut = cut_model(model, sample[0] if isinstance(sample, list) else sample, units)
+    experts = resolve_expert_plan(model, expert_plan) if expert_plan is not None else []
+    cut = cut_model(model, sample[0] if isinstance(sample, list) else sample, units, experts)
     cut.rewrite(defer_traced_linears)
     return cut

@@ -22,10 +22,11 @@ from units.cut import TensorParallelPlan
 from pipeline.transports import TRANSPORTS, TransportName
 
 
-MESH_DIMENSIONS = ("pp", "dp", "tp")
+MESH_DIMENSIONS = ("pp", "dp", "ep", "tp")
 DataParallelMode = Literal["replicate", "fsdp"]
 DATA_PARALLEL: tuple[DataParallelMode, ...] = ("replicate", "fsdp")
 TensorParallel = TensorParallelPlan  # "auto", {module name: style}, or fn(layer, tp_mesh)
+ExpertParallel = str | Mapping[str, str]  # "auto" or {module name: "ep_dispatch_experts"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class Distributed:
             ``"replicated_with_grad_allreduce"`` (``units.tp_plan``), or ``fn(layer,
             tp_mesh)`` called on each local unit (``parallelize_module`` with torch's
             styles; ``examples/gpt.py`` has one).
+        expert_parallel: how each stage spreads its experts over the mesh's ``"ep"``
+            dimension (needs one): ``"auto"`` (the plan a Hugging Face config ships,
+            ``base_model_ep_plan``) or a dict of the model's module names to
+            ``"ep_dispatch_experts"`` (``units.ep_plan``). The ``ep`` ranks take their
+            own rows of the batch, as replicas do; each holds 1/ep of every experts
+            module's experts, and tokens go to their experts' ranks and back by all-to-all.
+        batch_group: with ``"ep"``, the ranks of this stage that take their own rows (its
+            ``dp`` x ``ep`` coordinates), set by ``from_mesh``.
     """
 
     group: ProcessGroup
@@ -69,22 +78,28 @@ class Distributed:
     data_parallel: DataParallelMode = "replicate"
     reshard_after_forward: bool = False
     tensor_parallel: TensorParallel | None = None
+    expert_parallel: ExpertParallel | None = None
+    batch_group: ProcessGroup | None = None
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, transport: TransportName = "auto",
                   init_fn: Callable[[nn.Module], None] | None = None,
                   data_parallel: DataParallelMode = "replicate",
                   reshard_after_forward: bool = False,
-                  tensor_parallel: TensorParallel | None = None) -> Distributed:
+                  tensor_parallel: TensorParallel | None = None,
+                  expert_parallel: ExpertParallel | None = None) -> Distributed:
         """The pipeline along the mesh's ``"pp"`` dimension (each coordinate of the others is
         its own pipeline, sending to the same coordinate of the next stage), data-parallel
-        replicas along ``"dp"``, tensor parallelism along ``"tp"``.
+        replicas along ``"dp"``, experts spread along ``"ep"``, tensor parallelism along
+        ``"tp"``.
 
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``.
             ValueError: a mesh without a ``"pp"`` dimension, or with one of another name; a
                 ``"tp"`` dimension larger than 1 without ``tensor_parallel``, or
-                ``tensor_parallel`` without one.
+                ``tensor_parallel`` without one; likewise ``"ep"`` and
+                ``expert_parallel``; ``"ep"`` with ``"tp"`` or with ``data_parallel="fsdp"``
+                (not supported yet).
         """
         _check_mesh(mesh)
         names = tuple(mesh.mesh_dim_names or ())
@@ -100,9 +115,25 @@ class Distributed:
         if tensor_parallel is not None and "tp" not in names:
             raise ValueError(f"tensor_parallel= needs a mesh with a 'tp' dimension, got "
                              f"dimensions {names}")
+        ep = mesh["ep"].size() if "ep" in names else 1
+        if ep > 1 and expert_parallel is None:
+            raise ValueError(f"the mesh's 'ep' dimension is {ep}: pass expert_parallel='auto' "
+                             f"or a dict of module names to 'ep_dispatch_experts' to say which "
+                             f"modules hold the experts spread across it")
+        if expert_parallel is not None and "ep" not in names:
+            raise ValueError(f"expert_parallel= needs a mesh with an 'ep' dimension, got "
+                             f"dimensions {names}")
+        if ep > 1 and tp > 1:
+            raise ValueError(f"expert parallelism (ep={ep}) with tensor parallelism (tp={tp}) "
+                             f"in one mesh is not supported yet: use one of them")
+        if ep > 1 and data_parallel == "fsdp":
+            raise ValueError("expert parallelism with data_parallel='fsdp' is not supported "
+                             "yet: use data_parallel='replicate' beside an 'ep' dimension")
         data_group = mesh["dp"].get_group() if "dp" in names and mesh["dp"].size() > 1 else None
+        batch_group = _batch_group(mesh) if ep > 1 else None
         return cls(mesh["pp"].get_group(), data_group, transport, init_fn, mesh, data_parallel,
-                   reshard_after_forward, tensor_parallel)
+                   reshard_after_forward, tensor_parallel,
+                   expert_parallel, batch_group)
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -112,10 +143,19 @@ class Distributed:
         return self.mesh["tp"] if self.mesh["tp"].size() > 1 else None
 
     @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The mesh's ``"ep"`` dimension where it has one larger than 1 and a plan, else None."""
+        if self.mesh is None or self.expert_parallel is None \
+                or "ep" not in (self.mesh.mesh_dim_names or ()):
+            return None
+        return self.mesh["ep"] if self.mesh["ep"].size() > 1 else None
+
+    @property
     def holders(self) -> ProcessGroup:
         """Every rank that holds a part of the model: the pipeline's group, or with
         data-parallel replicas or tensor parallelism the default group."""
-        if isinstance(self.data_group, ProcessGroup) or self.tp_mesh is not None:
+        if isinstance(self.data_group, ProcessGroup) or self.tp_mesh is not None \
+                or self.ep_mesh is not None:
             world = dist.group.WORLD
             assert world is not None  # a data group implies an initialised default group
             return world
@@ -132,6 +172,13 @@ class Distributed:
             raise ValueError(f"unknown data_parallel {self.data_parallel!r}; expected one of: "
                              f"{', '.join(DATA_PARALLEL)}")
         _check_plan(self.tensor_parallel)
+        if self.expert_parallel is not None and not (
+                self.expert_parallel == "auto" or isinstance(self.expert_parallel, Mapping)):
+            raise ValueError(f"expert_parallel={self.expert_parallel!r:.80}: expected 'auto' or "
+                             f"a dict of module names to 'ep_dispatch_experts'")
+        if self.expert_parallel is not None and self.mesh is None:
+            raise ValueError("expert_parallel= needs mesh=init_device_mesh(..., "
+                             "mesh_dim_names=('pp', 'ep'))")
         if self.tensor_parallel is not None and self.mesh is None:
             raise ValueError("tensor_parallel= needs mesh=init_device_mesh(..., "
                              "mesh_dim_names=('pp', 'dp', 'tp'))")
@@ -158,6 +205,21 @@ def layout_of(distributed: Distributed | None, mesh: DeviceMesh | None,
     if group is not None:
         return Distributed(group)
     return distributed
+
+
+def _batch_group(mesh: DeviceMesh) -> ProcessGroup:
+    """The ranks of this rank's stage that take their own rows: its ``"dp"`` x ``"ep"``
+    coordinates (the ``"ep"`` dimension's group where there is no ``"dp"``). Every rank
+    makes every such group, in the same order."""
+    names = list(mesh.mesh_dim_names or ())
+    if "dp" not in names or mesh["dp"].size() == 1:
+        return mesh["ep"].get_group()
+    sharing = [names.index("dp"), names.index("ep")]
+    others = [dim for dim in range(len(names)) if dim not in sharing]
+    rows = mesh.mesh.permute(*others, *sharing).reshape(-1, mesh["dp"].size() * mesh["ep"].size())
+    mine, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows])
+    assert mine is not None
+    return mine
 
 
 def _check_plan(plan: Any) -> None:

@@ -24,6 +24,7 @@ from pipeline.runtime.data_parallel import data_parallel_of
 from pipeline.runtime.dist_runner import DistRunner
 from pipeline.runtime.local_runner import LocalRunner
 from pipeline.runtime.runner import Runner
+from pipeline.runtime.expert_parallel import ExpertSplit
 from pipeline.runtime.tensor_parallel import TensorSplit
 
 
@@ -94,7 +95,8 @@ class AcrossRanks:
                                          bool(schedule.split_backward))
         return DistRunner(cut.units, list(balance), schedule, device, options, self.timeout,
                           distributed.group, distributed.init_fn, distributed.transport,
-                          data_parallel, _tensor_split(distributed, cut, self.timeout))
+                          data_parallel, _tensor_split(distributed, cut, self.timeout),
+                          _expert_split(distributed, cut, self.timeout))
 
 
 def default_devices(stages: int) -> list[torch.device]:
@@ -118,3 +120,12 @@ def _tensor_split(distributed: Distributed, cut: Cut, timeout: float) -> TensorS
     if distributed.tensor_parallel is None or tp_mesh is None:
         return None
     return TensorSplit(cut, distributed.tensor_parallel, tp_mesh, timeout)
+
+
+def _expert_split(distributed: Distributed, cut: Cut, timeout: float) -> ExpertSplit | None:
+    """How ``cut`` spreads its experts over the mesh's ``ep`` dimension, where there is one
+    larger than 1 and a plan."""
+    ep_mesh = distributed.ep_mesh
+    if distributed.expert_parallel is None or ep_mesh is None:
+        return None
+    return ExpertSplit(cut, distributed.expert_parallel, ep_mesh, timeout)

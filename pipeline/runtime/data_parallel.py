@@ -80,6 +80,9 @@ class DataParallel(Protocol):
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 
     @property
+    def norm_groups(self) -> dict[str, dist.ProcessGroup | None]: ...
+
+    @property
     def sharding(self) -> Sharding: ...
 
 
@@ -87,6 +90,13 @@ def data_parallel_of(distributed: Distributed, device: torch.device, timeout: fl
                      split_backward: bool) -> DataParallel:
     """How this rank's stage shares its work with its replicas (``Distributed.data_group``,
     ``.data_parallel``): alone, whole copies, or FSDP2 shards."""
+    ep_mesh = distributed.ep_mesh
+    if ep_mesh is not None:
+        from pipeline.runtime.expert_parallel import ExpertReplicas
+
+        assert distributed.batch_group is not None
+        return ExpertReplicas(distributed.batch_group, distributed.data_group,
+                              ep_mesh.get_group(), timeout, device)
     group = distributed.data_group
     if group is None:
         return Alone()

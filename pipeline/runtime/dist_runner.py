@@ -26,6 +26,7 @@ from pipeline.runtime.executor import StageResult, StepInputs, StepMeter, run_st
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.step_times import StepTimes
+from pipeline.runtime.expert_parallel import ExpertSplit
 from pipeline.runtime.tensor_parallel import TensorSplit, send_shards
 from pipeline.runtime.rank_share import rank_share
 from pipeline.runtime.runner import PendingTimeline, propagate_input_grads, step_of
@@ -69,11 +70,13 @@ class DistRunner:
         transport: TransportName = "auto",
         data_parallel: DataParallel | None = None,
         tensor_parallel: TensorSplit | None = None,
+        expert_parallel: ExpertSplit | None = None,
     ) -> None:
         self.group = group
         self.data_parallel = data_parallel if data_parallel is not None else Alone()
         self.tp_mesh = tensor_parallel.mesh if tensor_parallel is not None else None
         self.boundaries: Any = None  # a traced cut's tensor-parallel all-reduces, counted
+        self.exchange: Any = None  # its expert-parallel all-to-alls, counted
         self.schedule = schedule
         self.device = device
         self.stage = dist.get_rank(group)
@@ -83,7 +86,7 @@ class DistRunner:
         self.layers_of = chunk_layers(balance)
         self.local_layers = [i for c in schedule.chunks_of_stage[self.stage]
                              for i in self.layers_of[c]]
-        self._hold_layers(init_fn, tensor_parallel)
+        self._hold_layers(init_fn, tensor_parallel, expert_parallel)
         share = 1.0 / len(schedule.chunks_of_stage[self.stage])
         self.tracker = ActivationTracker(self.parameters(), share)
         self.trackers: tuple[ActivationTracker, ...] = (self.tracker,)
@@ -113,13 +116,15 @@ class DistRunner:
         self._calls = 0  # step() and pipe(x) calls, counted alike on every rank
 
     def _hold_layers(self, init_fn: Callable[[nn.Module], None] | None,
-                     tensor_parallel: TensorSplit | None) -> None:
+                     tensor_parallel: TensorSplit | None,
+                     expert_parallel: ExpertSplit | None = None) -> None:
         """This rank's layers materialised, split and sharded, the rest freed; the shared
         parameters to sum after each step (``synced``) and those this rank counts when
         clipping (``counted``), as they are after the split."""
         model, schedule = self.model, self.schedule
-        if tensor_parallel is not None:  # refused before any layer is freed or split
-            tensor_parallel.check()
+        for split in (tensor_parallel, expert_parallel):  # refused before any layer is freed
+            if split is not None:
+                split.check()
         self.shared = shared_parameters(model)
         synced, owner_stage = shared_across_stages(model, self.balance, schedule,
                                                    self.local_layers, self.shared)
@@ -127,7 +132,7 @@ class DistRunner:
         for c in schedule.chunks_of_stage[self.stage]:
             _materialise(nn.Sequential(*[model[i] for i in self.layers_of[c]]), self.device,
                          init_fn)
-        now = self._split_layers(tensor_parallel)
+        now = self._split_layers(tensor_parallel, expert_parallel)
         self.synced = [replace(entry, parameter=None if entry.parameter is None
                                else now[id(entry.parameter)]) for entry in synced]
         owner_stage = {id(now[key]): stage for key, stage in owner_stage.items() if key in now}
@@ -135,8 +140,8 @@ class DistRunner:
             p for p in self.parameters() if owner_stage.get(id(p), self.stage) == self.stage
         ]
 
-    def _split_layers(self, tensor_parallel: TensorSplit | None
-                      ) -> dict[int, nn.Parameter]:
+    def _split_layers(self, tensor_parallel: TensorSplit | None,
+                      expert_parallel: ExpertSplit | None = None) -> dict[int, nn.Parameter]:
         """Parallelize the local layers over ``tp`` (the user's ``fn(layer, tp_mesh)``), then
         let the data-parallel replicas shard them: ``id`` of each parameter before -> the
         parameter that replaced it (itself where nothing did)."""
@@ -146,6 +151,8 @@ class DistRunner:
             self.boundaries = tensor_parallel.apply(self.local_layers)
             send_shards([self.model[layers[-1]] for c in self.schedule.chunks_of_stage[self.stage]
                          if c != self.schedule.chunks - 1 and (layers := self.layers_of[c])])
+        if expert_parallel is not None:
+            self.exchange = expert_parallel.apply(self.local_layers)
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
 
@@ -334,7 +341,7 @@ class DistRunner:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The global norm over every rank's part of the gradients (``grad_norm``)."""
-        groups = {"pp": self.group, "dp": self.data_parallel.group,
+        groups = {"pp": self.group, **self.data_parallel.norm_groups,
                   "tp": self.tp_mesh.get_group() if self.tp_mesh else None}
         return clip_spread_grads([p.grad for p in self.parameters() if p.grad is not None],
                                  [p.grad for p in self.counted if p.grad is not None], groups,

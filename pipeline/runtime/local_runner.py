@@ -41,6 +41,7 @@ class LocalRunner:
     """Stages as threads of this process; results cross through a LocalTransport."""
 
     boundaries = None  # no tensor parallelism in one process
+    exchange = None  # nor expert parallelism
 
     def __init__(
         self,

@@ -72,6 +72,12 @@ class Alone:
 
     group: dist.ProcessGroup | None = None
 
+    @property
+    def norm_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        """The groups along which this rank's gradients are spread, beside ``pp`` and
+        ``tp`` (``grad_norm``), by mesh dimension."""
+        return {"dp": self.group}
+
     def loss_weights(self, rule: LossRule, targets: Sequence[Any], device: torch.device
                      ) -> list[float]:
         return rule.weights(targets)

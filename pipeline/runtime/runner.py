@@ -68,6 +68,8 @@ class Runner(Protocol):
         data_parallel: what the stage's replicas do together (``Alone`` in one process).
         boundaries: a traced cut's tensor-parallel boundaries (``units.tp_graph``), whose
             all-reduces they count; None without them.
+        exchange: a traced cut's expert-parallel token exchange (``units.ep_dispatch``),
+            whose all-to-alls it counts; None without one.
     """
 
     schedule: Schedule
@@ -77,6 +79,7 @@ class Runner(Protocol):
     trackers: tuple[ActivationTracker, ...]
     data_parallel: DataParallel
     boundaries: Any
+    exchange: Any
 
     @property
     def sharding(self) -> Sharding: ...

@@ -1,0 +1,167 @@
+"""Rank functions for the expert-parallel tests: MoE models as written, their experts spread over ``ep``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline import Distributed, Pipe, SummedLoss
+from traced_models import VOCAB, lm_loss, token_count, tokens
+
+HAND_PLAN = {"layers.*.experts": "ep_dispatch_experts"}
+
+
+class HandExperts(nn.Module):
+    """Experts as Hugging Face's MoE models hold them: one stacked tensor per projection,
+    ``forward(hidden, top_k_index, top_k_weights)``, a loop over the experts picked."""
+
+    def __init__(self, experts: int, width: int, inner: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, width) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(experts, width, inner) * 0.3)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in range(self.num_experts):
+            token, pick = torch.where(top_k_index == expert)
+            if len(token) == 0:
+                continue
+            gate, up = F.linear(hidden[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            value = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, token, value * top_k_weights[token, pick, None])
+        return out
+
+
+class HandBlock(nn.Module):
+    def __init__(self, experts: int, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts)
+        self.experts = HandExperts(experts, width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.norm(x).reshape(-1, x.shape[-1])
+        probabilities = torch.softmax(self.router(flat), dim=-1)
+        weights, index = torch.topk(probabilities, 2, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return x + self.experts(flat, index, weights).view_as(x)
+
+
+class HandMoE(nn.Module):
+    """A mixture-of-experts language model written by hand (float64)."""
+
+    def __init__(self, layers: int = 2, experts: int = 4, width: int = 16,
+                 one_side: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.layers = nn.ModuleList(HandBlock(experts, width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+        if one_side:  # every token picks experts 0 and 1: all on the first ep rank
+            with torch.no_grad():
+                for block in self.layers:
+                    block.router.bias.copy_(torch.tensor([30.0, 29.0] + [0.0] * (experts - 2)))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+
+def hand_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                           ignore_index=-100, reduction="sum")
+
+
+def moe_model(kind: str, seed: int = 0) -> nn.Module:
+    """A tiny MoE causal LM with random weights: Hugging Face's Mixtral (float32, its
+    grouped expert kernel), Qwen2-MoE (a shared expert; float32) and Qwen3-MoE (float32),
+    or one written by hand (float64; ``hand-one-side``: every token routed to the first ep
+    rank's experts)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2))
+    if kind == "qwen2-moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, intermediate_size=32, moe_intermediate_size=16,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2))
+    if kind == "qwen3-moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=4, intermediate_size=32, moe_intermediate_size=16,
+            num_experts=4, num_experts_per_tok=2))
+    if kind in ("hand", "hand-one-side"):
+        return HandMoE(one_side=kind == "hand-one-side").double()
+    raise ValueError(kind)
+
+
+def plan_of(kind: str) -> Any:
+    return HAND_PLAN if kind.startswith("hand") else "auto"
+
+
+def reference(model: nn.Module, batch: dict[str, Any], target: torch.Tensor, kind: str
+              ) -> tuple[float, dict[str, torch.Tensor]]:
+    """The plain model's loss (per token) and gradients, by its names, on the whole batch."""
+    model.zero_grad()
+    output = model(**batch)
+    loss = (hand_loss if kind.startswith("hand") else lm_loss)(output, target) \
+        / token_count(target)
+    loss.backward()
+    return loss.item(), {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                         for name, p in model.named_parameters()}
+
+
+def ep_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...],
+             cases: list[tuple[str, str, str]]) -> list[tuple[Any, ...]]:
+    """Per (model, schedule, checkpoint): the loss's relative error, the worst gradient
+    error of what this rank holds (whole, by the model's names) relative to the largest
+    gradient, how many it compared, and the rows its experts received."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    sharing = mesh["ep"].size() * (mesh["dp"].size() if "dp" in names else 1)
+    mine_index = mesh.get_local_rank("ep") + (mesh.get_local_rank("dp") * mesh["ep"].size()
+                                              if "dp" in names else 0)
+    batch, target = tokens(rows=4 * sharing)
+    rows = slice(4 * mine_index, 4 * (mine_index + 1))
+    mine = {key: value[rows] for key, value in batch.items()}
+    results = []
+    for kind, schedule, mode in cases:
+        base = moe_model(kind)
+        if kind.startswith("hand"):
+            whole, mine_batch = {"input_ids": batch["input_ids"]}, {"input_ids": mine["input_ids"]}
+        else:
+            whole, mine_batch = batch, mine
+        loss_expected, grads_expected = reference(copy.deepcopy(base), whole, target, kind)
+        model = copy.deepcopy(base)
+        loss_fn = SummedLoss(hand_loss if kind.startswith("hand") else lm_loss, token_count)
+        with Pipe(model, chunks=2, schedule=schedule, checkpoint=mode, sample=mine_batch,
+                  distributed=Distributed.from_mesh(mesh, expert_parallel=plan_of(kind)),
+                  loss_fn=loss_fn) as pipe:
+            loss = pipe.step(mine_batch, target[rows])
+            local = {id(p) for p in pipe.parameters()}
+            scale = max(g.abs().max().item() for g in grads_expected.values())
+            errors = []
+            for name, p in model.named_parameters():
+                if id(p) not in local or p.is_meta:
+                    continue
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                errors.append((grad - grads_expected[name]).abs().max().item() / scale)
+            received = pipe.expert_parallel_counts.received_rows
+        results.append((kind, schedule, mode, abs(loss.item() - loss_expected) / abs(loss_expected),
+                        max(errors), len(errors), received))
+    return results
