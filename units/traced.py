@@ -110,8 +110,10 @@ class TracedCut(Cut):
         assert self.retracer is not None
         names = resolve_expert_plan(self.model, plan)
         check_expert_split(self.model, names, ep_mesh.size())
-        local = {name for index in indices for name in self.infos[index].modules}
+        held = [parameter for index in indices for parameter in self.infos[index].parameters]
+        local = {name for name in names if any(key.startswith(f"{name}.") for key in held)}
         shard_experts(self.model, names, ep_mesh, local)
+        self._hold_anew(indices, local)
         exchange = Exchange(ep_mesh.get_group(), self.model, timeout)
         missing = [name for name in names if name not in self.retracer.opaque]
         if missing:
@@ -123,6 +125,19 @@ class TracedCut(Cut):
         self.retracer.retrace(self.sample)
         self._state = ModelState.of(self.model)
         return exchange
+
+    def _hold_anew(self, indices: Sequence[int], modules: set[str]) -> None:
+        """Make units ``indices`` hold the parameters ``modules`` hold now, where they hold
+        those tensors alone (their module has children: an experts module's ``act_fn``)."""
+        for index in indices:
+            unit = self.units[index]
+            for key in self.infos[index].parameters:
+                owner, _, name = key.rpartition(".")
+                if owner not in modules:
+                    continue
+                now = self.model.get_submodule(owner).get_parameter(name)
+                if Unit.read_from(unit, key) is not now:
+                    attach(unit, owner, tensor=(name, now, True))
 
     @property
     def takes_batch_as_written(self) -> bool:
