@@ -80,7 +80,7 @@ def expert_count(name: str, module: nn.Module) -> int:
             f"expert parallelism: {name!r} ({type(module).__name__}) is not an experts "
             f"module: expected parameters of its own stacked by expert along dimension 0 "
             f"(gate_up_proj, down_proj), got "
-            f"{'none' if not own else f'parameters in submodules ({nested[:3]})'}")
+            f"{f'parameters in submodules ({nested[:3]})' if nested else 'none'}")
     declared = getattr(module, "num_experts", None)
     count = declared if isinstance(declared, int) else next(iter(own.values())).shape[0]
     unstacked = {key: tuple(tensor.shape) for key, tensor in own.items()

@@ -312,11 +312,12 @@ def _contention(runner: Runner, work: dict[int, ChunkWork], failure: str | None,
                 ) -> tuple[tuple[float, ...], str | None]:
     """The contention factors of this process's stages (``pipeline.predict.contention``) and the
     failure so far. With a group every rank takes part, failed or not; under NCCL (a GPU
-    per rank, nothing to share) none is measured, nor with tensor parallelism (its chunks
-    all-reduce inside, and a loop timed for a window runs as many times as the clock
-    says: the tp ranks' counts could differ and one would wait for the other forever)."""
+    per rank, nothing to share) none is measured, nor with tensor or expert parallelism
+    (its chunks all-reduce or exchange tokens inside, and a loop timed for a window runs as
+    many times as the clock says: the ranks' counts could differ and one would wait for
+    the other forever)."""
     schedule: Schedule = runner.schedule
-    if not ranks.shares_cores or runner.boundaries is not None:
+    if not ranks.shares_cores or runner.boundaries is not None or runner.exchange is not None:
         return (1.0,) * stages_here, failure
     mine = [] if failure is not None else [work[c] for c in sorted(work)]
     factor, failed = factor_across_ranks(mine, schedule.microbatches, ranks, device)

@@ -166,3 +166,105 @@ def ep_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
         results.append((kind, schedule, mode, abs(loss.item() - loss_expected) / abs(loss_expected),
                         max(errors), len(errors), received))
     return results
+
+
+def ep_state(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """The hand-written MoE at (pp=2, ep=2), each ep rank its own rows: a plan it cannot
+    take refused with the model kept; the clipped norm, one SGD step (lr=1) gathered whole
+    by its names, an evaluation forward, a prediction; saved, and loaded into the plain
+    model, into a (pp=2, dp=2) mesh at ep=1 and back at ep=2; each against the plain model
+    stepped alike on the whole batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline import gather_state_dict, load_checkpoint, load_into_model, save_checkpoint
+
+    torch.set_num_threads(1)
+    batch, target = tokens(rows=8)
+    whole = {"input_ids": batch["input_ids"]}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    rows = slice(4 * mesh.get_local_rank("ep"), 4 * mesh.get_local_rank("ep") + 4)
+    mine, mine_target = {"input_ids": whole["input_ids"][rows]}, target[rows]
+    loss_fn = SummedLoss(hand_loss, token_count)
+    found: dict[str, Any] = {}
+
+    odd = HandMoE(experts=3)
+    kept = copy.deepcopy(odd)
+    try:
+        Pipe(odd, chunks=2, sample=mine, loss_fn=loss_fn,
+             distributed=Distributed.from_mesh(mesh, expert_parallel=HAND_PLAN))
+    except ValueError as error:
+        found["refused"] = str(error)
+    found["kept"] = all(not p.is_meta and type(p) is torch.nn.Parameter and torch.equal(p, q)
+                        for p, q in zip(odd.parameters(), kept.parameters()))
+
+    found["mesh_refusals"] = [_refusal(lambda: Distributed.from_mesh(mesh)),
+                              _refusal(lambda: Distributed.from_mesh(
+                                  mesh, expert_parallel=HAND_PLAN, data_parallel="fsdp")),
+                              _refusal(lambda: Distributed.from_mesh(
+                                  init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")),
+                                  expert_parallel=HAND_PLAN)),
+                              _refusal(lambda: Pipe(
+                                  nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), chunks=2,
+                                  distributed=Distributed.from_mesh(
+                                      mesh, expert_parallel=HAND_PLAN)))]
+
+    base = moe_model("hand")
+    plain = copy.deepcopy(base)
+    (hand_loss(plain(**whole), target) / token_count(target)).backward()
+    norm_expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05).item()
+    torch.optim.SGD(plain.parameters(), lr=1.0).step()
+    expected = plain.state_dict()
+    model = copy.deepcopy(base)
+    with Pipe(model, chunks=2, sample=mine, loss_fn=loss_fn,
+              distributed=Distributed.from_mesh(mesh, expert_parallel=HAND_PLAN)) as pipe:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=1.0)
+        predicted = pipe.predict(mine, mine_target)  # measures the chunks, exchanges and all
+        found["predicted"] = predicted.makespan if predicted is not None else None
+        pipe.step(mine, mine_target)
+        found["norm_error"] = abs(pipe.clip_grad_norm_(0.05).item() - norm_expected)
+        optimizer.step()
+        state = gather_state_dict(pipe)
+        save_checkpoint(pipe, optimizer, directory, step=1)
+        pipe.eval()  # traced in evaluation mode on first use
+        with torch.no_grad():
+            output = pipe(mine if mesh.get_local_rank("pp") == 0 else None)
+        if output is not None:
+            plain.eval()
+            with torch.no_grad():
+                found["eval_error"] = (output - plain(**mine)).abs().max().item()
+    if state is not None:
+        found["gathered_error"] = max((state[k] - expected[k]).abs().max().item()
+                                      for k in expected)
+        found["gathered_keys"] = sorted(state) == sorted(expected)
+    dist.barrier()
+    if rank == 0:
+        fresh = moe_model("hand", seed=5)
+        load_into_model(fresh, None, directory)
+        loaded = fresh.state_dict()
+        found["plain_error"] = max((loaded[k] - expected[k]).abs().max().item()
+                                   for k in expected)
+    other = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp", "ep"))
+    fresh = moe_model("hand", seed=5)
+    with Pipe(fresh, chunks=2, sample=mine, loss_fn=loss_fn,
+              distributed=Distributed.from_mesh(other, expert_parallel=HAND_PLAN)) as pipe:
+        assert load_checkpoint(pipe, None, directory) == 1
+        state = gather_state_dict(pipe)
+    if state is not None:
+        found["ep1_error"] = max((state[k] - expected[k]).abs().max().item() for k in expected)
+    fresh = moe_model("hand", seed=5)
+    with Pipe(fresh, chunks=2, sample=mine, loss_fn=loss_fn,
+              distributed=Distributed.from_mesh(mesh, expert_parallel=HAND_PLAN)) as pipe:
+        load_checkpoint(pipe, None, directory)
+        state = gather_state_dict(pipe)
+    if state is not None:
+        found["ep2_error"] = max((state[k] - expected[k]).abs().max().item() for k in expected)
+    return found
+
+
+def _refusal(call: Any) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return "not refused"

@@ -1,0 +1,124 @@
+"""Expert parallelism on a model as it is written: Hugging Face MoE models and one written by
+hand at (pp=2, ep=2) against the plain model on the whole batch, state by the model's names
+across ep degrees, plans refused before anything is sharded, and the experts traced as one
+call each (an eager loop over the experts a token picked runs, exactly)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ep_workers import HAND_PLAN, HandMoE, ep_exact, ep_state, hand_loss, moe_model
+from partitioners.measure.model_cut import cut_of
+from tests.pipeline.helpers.dist_harness import in_turn, run_ranks
+from traced_models import tokens
+from units import TraceError
+from units.ep_dispatch import EXPERTS_CALL
+from units.ep_plan import check_expert_split, expert_count, resolve_expert_plan
+
+# (model, schedule, checkpoint): the bars' models and schedules, 4 ranks, (pp=2, ep=2)
+CASES = [("mixtral", "1f1b", "never"), ("mixtral", "dualpipe-v", "never"),
+         ("qwen2-moe", "zb-v", "never"), ("qwen3-moe", "1f1b", "always"),
+         ("hand", "zb-v", "always"), ("hand", "interleaved-1f1b", "always"),
+         ("hand", "zb-h1", "never"), ("hand-one-side", "1f1b", "never")]
+FLOAT32 = (1e-5, 1e-4)  # the loss's relative error; a gradient's, relative to the largest
+FLOAT64 = 1e-10
+
+
+@pytest.mark.slow
+def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
+    by_rank = run_ranks(in_turn, 4, [(ep_exact, ((2, 2), ("pp", "ep"), CASES)),
+                                     (ep_state, (str(tmp_path / "checkpoint"),))],
+                        timeout=900)
+    for rank, (rows, state) in enumerate(by_rank):
+        assert [row[:3] for row in rows] == CASES
+        for kind, schedule, mode, loss_error, grad_error, compared, received in rows:
+            case = f"rank {rank}: {kind}, {schedule}, checkpoint={mode}"
+            loss_bar, grad_bar = (FLOAT64, FLOAT64) if kind.startswith("hand") else FLOAT32
+            assert loss_error < loss_bar, case
+            assert grad_error < grad_bar, case
+            assert compared > 0, case
+            if kind == "hand-one-side":  # every token to the first ep rank's experts
+                assert (received > 0) == (rank % 2 == 0), case
+        _check_state(rank, state)
+
+
+def _check_state(rank: int, state: dict) -> None:
+    assert "'layers.0.experts' holds 3 experts, which ep=2" in state["refused"]
+    assert state["kept"], "a refused plan left the model as it was"
+    no_plan, fsdp, no_dimension, sequential = state["mesh_refusals"]
+    assert "'ep' dimension is 2: pass expert_parallel=" in no_plan
+    assert "data_parallel='fsdp' is not supported yet" in fsdp
+    assert "needs a mesh with an 'ep' dimension" in no_dimension
+    assert "not an nn.Sequential" in sequential
+    assert state["predicted"] is not None and state["predicted"] > 0
+    assert state["norm_error"] < FLOAT64
+    for key in ("gathered_error", "plain_error", "ep1_error", "ep2_error", "eval_error"):
+        if key in state:
+            assert state[key] < FLOAT64, (rank, key)
+    if "gathered_keys" in state:
+        assert state["gathered_keys"]
+    if rank == 0:
+        assert "plain_error" in state and "gathered_error" in state
+    if rank >= 2:
+        assert "eval_error" in state
+
+
+def test_an_eager_loop_over_experts_traces_as_one_call_and_runs_exactly() -> None:
+    model = HandMoE()
+    with pytest.raises(TraceError, match="control flow depends on tensor values"):
+        cut_of(copy.deepcopy(model), {"input_ids": tokens()[0]["input_ids"]})
+    batch, target = tokens()
+    batch = {"input_ids": batch["input_ids"]}
+    plain = copy.deepcopy(model)
+    cut = cut_of(model, batch, None, HAND_PLAN)
+    calls = [node for unit in cut.units for graph in unit.graphs for node in graph.graph.nodes
+             if node.op == "call_function" and node.target is not EXPERTS_CALL
+             and getattr(node.target, "__name__", "") == "experts_as_written"]
+    assert len(calls) == 2 * 2  # one per block, in each mode's graph
+    loss = hand_loss(cut.units(batch), target)
+    expected = hand_loss(plain(**batch), target)
+    loss.backward()
+    expected.backward()
+    assert abs(loss.item() - expected.item()) < FLOAT64
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < FLOAT64, name
+
+
+def test_auto_reads_the_plan_the_config_ships() -> None:
+    for kind in ("mixtral", "qwen2-moe", "qwen3-moe"):
+        assert resolve_expert_plan(moe_model(kind), "auto") == [
+            "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], kind
+    with pytest.raises(ValueError, match=r"config.base_model_ep_plan\); HandMoE has no config"):
+        resolve_expert_plan(HandMoE(), "auto")
+
+
+@pytest.mark.parametrize("plan, message", [
+    ({"layers.*.moe": "ep_dispatch_experts"}, r"'layers.\*.moe' matches no module of HandMoE"),
+    ({"layers.*.experts": "sharded"}, r"has style 'sharded', which is not one of"),
+    ({}, "an empty dict marks no experts"),
+    ({"layers.*.experts.down_proj": "grouped_gemm"},
+     r"its module 'layers.\*.experts' is not marked 'ep_dispatch_experts'"),
+    ("everything", r"expected 'auto' or a dict"),
+])
+def test_a_plan_that_marks_nothing_or_no_style_is_refused(plan, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_expert_plan(HandMoE(), plan)
+
+
+def test_what_ep_ranks_cannot_share_is_refused_naming_the_module() -> None:
+    model = HandMoE(experts=6)
+    names = resolve_expert_plan(model, HAND_PLAN)
+    check_expert_split(model, names, 3)
+    with pytest.raises(ValueError, match=r"'layers.0.experts' holds 6 experts, which ep=4"):
+        check_expert_split(model, names, 4)
+    with pytest.raises(ValueError, match=r"'layers.0.norm'.* are not stacked one slice per "
+                                         r"expert"):
+        expert_count("layers.0.norm", model.layers[0].norm)
+    with pytest.raises(ValueError, match=r"'layers.0' \(Sequential\) is not an experts module"
+                                         r".*got none"):
+        expert_count("layers.0", torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"'layers.0' .* parameters in submodules"):
+        expert_count("layers.0", model.layers[0])
