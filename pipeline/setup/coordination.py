@@ -83,17 +83,20 @@ def _calibrated_hop(stages: int, devices: Sequence[torch.device], ranks: Ranks) 
 
 def replicas_of(settings: Distributed | None, device: torch.device, timeout: float) -> Any:
     """A ``partitioners.DataParallelism`` for the plan: the data group's size, FSDP or not,
-    and the slowest hop between replicas (every replica calibrates it); None without."""
-    if settings is None or settings.data_group is None:
+    and the slowest hop between replicas (every replica calibrates it); None without. With
+    expert parallelism the ranks sharing the batch are ``dp`` x ``ep`` (``batch_group``):
+    what they reduce is priced as if every parameter were (the experts' over ``dp`` only)."""
+    group = settings.batch_group or settings.data_group if settings is not None else None
+    if settings is None or group is None:
         return None
     import torch.distributed as dist
 
     from partitioners.cut.memory import DataParallelism
     from pipeline.group.links import slowest_link
 
-    return DataParallelism(dist.get_world_size(settings.data_group),
+    return DataParallelism(dist.get_world_size(group),
                            settings.data_parallel == "fsdp", settings.reshard_after_forward,
-                           slowest_link(settings.data_group, device, timeout))
+                           slowest_link(group, device, timeout))
 
 
 def tensor_parallelism_of(settings: Distributed | None, cut: Cut, device: torch.device,

@@ -268,3 +268,28 @@ def _refusal(call: Any) -> str:
     except ValueError as error:
         return str(error)
     return "not refused"
+
+
+def ep_silent_peer(rank: int, world: int) -> str:
+    """Rank 1 never joins a token exchange: rank 0's gives up after its timeout (2 s),
+    saying so; rank 1 waits out that time."""
+    import time
+
+    import torch.distributed as dist
+
+    from units.ep_dispatch import Exchange
+
+    exchange = Exchange(dist.group.WORLD, moe_model("hand"), timeout=2.0)
+    if rank == 1:
+        time.sleep(6.0)
+        return ""
+    hidden = torch.randn(5, 16, dtype=torch.float64)
+    index = torch.tensor([[0, 3]] * 5)
+    weights = torch.full((5, 2), 0.5, dtype=torch.float64)
+    parameters = list(exchange.model.layers[0].experts.parameters())
+    start = time.perf_counter()
+    try:
+        exchange.run(hidden, index, weights, [p[:2] for p in parameters], "layers.0.experts")
+    except RuntimeError as error:
+        return f"{time.perf_counter() - start:.1f}s: {error}"
+    return "completed"

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from ep_workers import HAND_PLAN, HandMoE, ep_exact, ep_state, hand_loss, moe_model
+from ep_workers import (HAND_PLAN, HandMoE, ep_exact, ep_silent_peer, ep_state, hand_loss,
+                        moe_model)
 from partitioners.measure.model_cut import cut_of
 from tests.pipeline.helpers.dist_harness import in_turn, run_ranks
 from traced_models import tokens
@@ -43,6 +44,13 @@ def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
             if kind == "hand-one-side":  # every token to the first ep rank's experts
                 assert (received > 0) == (rank % 2 == 0), case
         _check_state(rank, state)
+
+
+def test_a_silent_ep_peer_fails_the_exchange_within_the_timeout() -> None:
+    waited, _, message = run_ranks(ep_silent_peer, 2)[0].partition("s: ")
+    assert 1.5 < float(waited) < 5.0, waited
+    assert "expert-parallel all-to-all (pair counts, forward) across the 2 ep ranks did not " \
+           "complete within 2.0s" in message and "Pipe(timeout=...)" in message
 
 
 def _check_state(rank: int, state: dict) -> None:
