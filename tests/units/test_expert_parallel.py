@@ -20,15 +20,15 @@ from units.ep_dispatch import EXPERTS_CALL
 from units.ep_plan import check_expert_split, expert_count, resolve_expert_plan
 
 # (model, schedule, checkpoint): the bars' models and schedules, 4 ranks, (pp=2, ep=2)
+# (Qwen2-MoE under ZB-V, float64 through the example: tests/test_train_moe.py)
 CASES = [("mixtral", "1f1b", "never"), ("mixtral", "dualpipe-v", "never"),
-         ("qwen2-moe", "zb-v", "never"), ("qwen3-moe", "1f1b", "always"),
+         ("qwen3-moe", "1f1b", "always"),
          ("hand", "zb-v", "always"), ("hand", "interleaved-1f1b", "always"),
          ("hand", "zb-h1", "never"), ("hand-one-side", "1f1b", "never")]
 FLOAT32 = (1e-5, 1e-4)  # the loss's relative error; a gradient's, relative to the largest
 FLOAT64 = 1e-10
 
 
-@pytest.mark.slow
 def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
     by_rank = run_ranks(in_turn, 4, [(ep_exact, ((2, 2), ("pp", "ep"), CASES)),
                                      (ep_state, (str(tmp_path / "checkpoint"),))],
