@@ -46,6 +46,20 @@ def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
         _check_state(rank, state)
 
 
+def test_replicas_beside_ep_average_all_but_the_experts_exactly() -> None:
+    """(pp=2, dp=2, ep=2): the router, norms and embedding averaged over the 4 ranks
+    sharing the batch, each expert over its 2 dp replicas only; one side's experts never
+    picked on the other (zero gradients, still reduced alike)."""
+    cases = [("hand", "1f1b", "never"), ("hand-one-side", "zb-h1", "never")]
+    for rank, rows in enumerate(run_ranks(ep_exact, 8, (2, 2, 2), ("pp", "dp", "ep"), cases,
+                                          timeout=600)):
+        for kind, schedule, mode, loss_error, grad_error, compared, received in rows:
+            assert loss_error < FLOAT64 and grad_error < FLOAT64, (rank, kind)
+            assert compared > 0
+            if kind == "hand-one-side":
+                assert (received > 0) == (rank % 2 == 0), rank
+
+
 def test_a_silent_ep_peer_fails_the_exchange_within_the_timeout() -> None:
     waited, _, message = run_ranks(ep_silent_peer, 2)[0].partition("s: ")
     assert 1.5 < float(waited) < 5.0, waited
