@@ -10,6 +10,7 @@ from split_backward import SplitMode
 from units import Cut
 
 from partitioners.cut.memory import DataParallelism
+from partitioners.plan.expert_parallel import ExpertParallelism, spread_costs
 from partitioners.plan.tensor_parallel import TensorParallelism, split_costs
 from partitioners.plan.search import CHECKPOINTS, Plan, plan
 from partitioners.plan.costs import Hop
@@ -37,6 +38,7 @@ def plan_for_model(
     data_parallel: DataParallelism | None = None,
     split_backward: SplitMode = "auto",
     tensor_parallel: TensorParallelism | None = None,
+    expert_parallel: ExpertParallelism | None = None,
 ) -> Plan:
     """Profile ``model`` at each micro-batch size the search needs, then ``plan``.
 
@@ -63,6 +65,9 @@ def plan_for_model(
         tensor_parallel: how each stage's tp ranks split its units
             (``plan.tensor_parallel``): each unit's measured work and bytes scaled to one
             rank's share, its all-reduces added. None: no tensor parallelism.
+        expert_parallel: how each stage's ep ranks share its experts
+            (``plan.expert_parallel``): each unit's parameter bytes scaled to one rank's
+            share of its experts, its all-to-alls added. None: no expert parallelism.
 
     Returns:
         The Plan; ``plan.pipe_options()`` are ``Pipe``'s keyword arguments for it.
@@ -89,7 +94,8 @@ def plan_for_model(
         costs = profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
                         progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
                         split_backward=split_backward)
-        return costs if tensor_parallel is None else split_costs(costs, tensor_parallel)
+        costs = costs if tensor_parallel is None else split_costs(costs, tensor_parallel)
+        return costs if expert_parallel is None else spread_costs(costs, expert_parallel)
 
     found = plan(measured, stages, batch, memory_limit, hop, microbatch_counts, schedules,
                  checkpoints, optimizer_factor=optimizer_factor,

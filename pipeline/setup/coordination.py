@@ -24,7 +24,8 @@ def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: i
                 samples: tuple[Any, Any, Any], devices: Sequence[torch.device],
                 memory_limit: float | None, ranks: Ranks,
                 deciders: Ranks | None = None, data_parallel: Any = None,
-                split_backward: SplitMode = "auto", tensor_parallel: Any = None) -> Any:
+                split_backward: SplitMode = "auto", tensor_parallel: Any = None,
+                expert_parallel: Any = None) -> Any:
     """The ``partitioners.Plan`` for ``chunks="auto"`` / ``schedule="auto"``, the same on every
     rank: what is fixed (a count, a schedule name, a checkpoint mode) is kept. ``samples``
     is (a batch, its target or None, the loss function or None): with both of the last
@@ -33,7 +34,9 @@ def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: i
     and tensor-parallel ranks run one plan) take their first rank's plan;
     ``data_parallel`` (a ``partitioners.DataParallelism``) prices the replicas,
     ``tensor_parallel`` (``partitioners.plan.tensor_parallel.TensorParallelism``) the tp
-    ranks' shares and all-reduces; ``split_backward`` is the Pipe's, so that the I and W
+    ranks' shares and all-reduces, ``expert_parallel``
+    (``partitioners.plan.expert_parallel.ExpertParallelism``) the ep ranks' shares of the
+    experts and their all-to-alls; ``split_backward`` is the Pipe's, so that the I and W
     priced are those it runs."""
     sample, target, loss_fn = samples
     from partitioners import plan_for_model
@@ -64,7 +67,7 @@ def choose_plan(cut: Cut, chunks: Any, schedule: Any, checkpoint: Any, stages: i
             checkpoints=CHECKPOINT_MODES if checkpoint in (None, "auto")
             else (check_mode(checkpoint),),
             data_parallel=data_parallel, split_backward=split_backward,
-            tensor_parallel=tensor_parallel,
+            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
         )
 
     return (deciders or ranks).decide(make, "planning")
@@ -126,3 +129,43 @@ def tensor_parallelism_of(settings: Distributed | None, cut: Cut, device: torch.
         reductions.append(sum(style.name == "rowwise" for style in mine.values()))
     return TensorParallelism(tp_mesh.size(), tuple(split), tuple(reductions),
                              slowest_link(tp_mesh.get_group(), device, timeout))
+
+
+def expert_parallelism_of(settings: Distributed | None, cut: Cut, device: torch.device,
+                          timeout: float) -> Any:
+    """An ``ExpertParallelism`` for the plan where experts are spread over an ``ep``
+    dimension: per unit, the share of its parameter bytes in experts modules, its experts
+    modules, the experts a token picks (the config's ``num_experts_per_tok``, the holding
+    module's ``top_k``, else 2), and the slowest hop between ep ranks (every ep rank
+    calibrates it). None without."""
+    ep_mesh = settings.ep_mesh if settings is not None else None
+    if settings is None or ep_mesh is None or settings.expert_parallel is None:
+        return None
+    from partitioners.plan.expert_parallel import ExpertParallelism
+    from pipeline.group.links import slowest_link
+    from units.ep_plan import resolve_expert_plan
+
+    names = resolve_expert_plan(cut.model, settings.expert_parallel)
+    experts: list[float] = []
+    exchanges: list[int] = []
+    picks: list[int] = []
+    for info, unit in zip(cut.infos, cut.units):
+        mine = [name for name in names
+                if any(key.startswith(f"{name}.") for key in info.parameters)]
+        whole = sum(p.numel() for p in unit.parameters())
+        held = sum(p.numel() for name in mine for p in cut.model.get_submodule(name).parameters())
+        experts.append(min(1.0, held / whole) if whole else 0.0)
+        exchanges.append(len(mine))
+        picks.append(max((_picks(cut.model, name) for name in mine), default=0))
+    return ExpertParallelism(ep_mesh.size(), tuple(experts), tuple(exchanges), tuple(picks),
+                             slowest_link(ep_mesh.get_group(), device, timeout))
+
+
+def _picks(model: Any, name: str) -> int:
+    """The experts each token picks for experts module ``name``."""
+    config = getattr(model, "config", None)
+    for value in (getattr(config, "num_experts_per_tok", None),
+                  getattr(model.get_submodule(name.rpartition(".")[0]), "top_k", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2

@@ -16,7 +16,12 @@ from units import Cut
 from pipeline.group.distributed import Distributed
 from pipeline.group.ranks import Ranks
 from pipeline.runtime.build import Processes
-from pipeline.setup.coordination import choose_plan, replicas_of, tensor_parallelism_of
+from pipeline.setup.coordination import (
+    choose_plan,
+    expert_parallelism_of,
+    replicas_of,
+    tensor_parallelism_of,
+)
 from pipeline.setup.options import check_positive, chunks_per_stage, count_stages
 
 
@@ -68,7 +73,8 @@ def pick(requested: Requested, processes: Processes, cut: Cut, samples: tuple[An
         plan = choose_plan(cut, chunks, schedule, checkpoint, stages, samples, devices,
                            requested.memory_limit, processes.ranks, deciders,
                            replicas_of(distributed, devices[0], timeout), split_backward,
-                           tensor_parallelism_of(distributed, cut, devices[0], timeout))
+                           tensor_parallelism_of(distributed, cut, devices[0], timeout),
+                           expert_parallelism_of(distributed, cut, devices[0], timeout))
         chosen = plan.pipe_options()
         chunks, schedule, balance = chosen["chunks"], chosen["schedule"], chosen["balance"]
         checkpoint, options = chosen["checkpoint"], chosen["schedule_options"]

@@ -211,6 +211,14 @@ def ep_state(rank: int, world: int, directory: str) -> dict[str, Any]:
 
     base = moe_model("hand")
     plain = copy.deepcopy(base)
+    with Pipe(copy.deepcopy(base), chunks="auto", schedule="auto", sample=mine,
+              loss_fn=loss_fn, distributed=Distributed.from_mesh(mesh, expert_parallel=HAND_PLAN)
+              ) as pipe:  # priced with the experts' shares and exchanges
+        picked = pipe.step(mine, mine_target).item()
+        found["auto"] = (pipe.schedule.name, pipe.schedule.microbatches, pipe.plan is not None)
+    expected_loss = hand_loss(plain(**whole), target) / token_count(target)
+    found["auto_error"] = abs(picked - expected_loss.item())
+    plain.zero_grad()
     (hand_loss(plain(**whole), target) / token_count(target)).backward()
     norm_expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05).item()
     torch.optim.SGD(plain.parameters(), lr=1.0).step()

@@ -12,7 +12,10 @@ import torch
 
 from ep_workers import (HAND_PLAN, HandMoE, ep_exact, ep_silent_peer, ep_state, hand_loss,
                         moe_model)
+from partitioners.measure.cost import LayerCost
 from partitioners.measure.model_cut import cut_of
+from partitioners.plan.expert_parallel import ExpertParallelism, spread_costs
+from schedules import Link
 from tests.pipeline.helpers.dist_harness import in_turn, run_ranks
 from traced_models import tokens
 from units import TraceError
@@ -77,6 +80,8 @@ def _check_state(rank: int, state: dict) -> None:
     assert "not an nn.Sequential" in sequential
     assert state["predicted"] is not None and state["predicted"] > 0
     assert state["norm_error"] < FLOAT64
+    _, _, planned = state["auto"]
+    assert planned and state["auto_error"] < FLOAT64, state["auto"]
     for key in ("gathered_error", "plain_error", "ep1_error", "ep2_error", "eval_error"):
         if key in state:
             assert state[key] < FLOAT64, (rank, key)
@@ -86,6 +91,25 @@ def _check_state(rank: int, state: dict) -> None:
         assert "plain_error" in state and "gathered_error" in state
     if rank >= 2:
         assert "eval_error" in state
+
+
+def test_the_planner_prices_a_ranks_share_of_the_experts_and_its_exchanges() -> None:
+    hop = Link(latency=1e-4, bandwidth=1e8)
+    spread = ExpertParallelism(2, experts=(0.0, 0.75), exchanges=(0, 1), picks=(0, 2), link=hop)
+    costs = [LayerCost(forward=1.0, backward=2.0, param_bytes=400, activation_bytes=1000),
+             LayerCost(forward=1.0, backward=2.0, param_bytes=400, activation_bytes=1000,
+                       backward_input=1.2, backward_weight=0.8)]
+    plain, moe = spread_costs(costs, spread)
+    assert plain == costs[0]
+    # 2 all-to-alls each way of 2 x 1000 bytes, half sent: 1 message of 1000 bytes
+    exchange = 2 * (1e-4 + 1000 / 1e8)
+    assert moe.forward == pytest.approx(1.0 + exchange)
+    assert moe.backward == pytest.approx(2.0 + exchange)
+    assert moe.backward_input == pytest.approx(1.2 + exchange)
+    assert moe.backward_weight == 0.8
+    assert moe.param_bytes == round(400 * (0.25 + 0.75 / 2))
+    with pytest.raises(ValueError, match="expected one of each per unit"):
+        ExpertParallelism(2, (0.5,), (1, 1), (2,), hop)
 
 
 def test_an_eager_loop_over_experts_traces_as_one_call_and_runs_exactly() -> None:
