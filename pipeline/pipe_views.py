@@ -15,7 +15,7 @@ import torch
 
 from schedules import Schedule, Timeline
 from units import Cut, UnitInfo
-from units.ep_dispatch import ExchangeCounts
+from units.ep_dispatch import Exchange, ExchangeCounts
 from units.tp_graph import Counts
 
 from pipeline.compute.activations import MemoryReport
@@ -138,8 +138,15 @@ class PipeViews:
         forward and backward, and the rows its experts computed;
         ``units.ep_dispatch.ExchangeCounts``) where experts are spread over ``ep``, else
         None."""
-        exchange = self._runner.exchange if self._runner is not None else None
+        exchange = self.expert_exchange
         return exchange.counts if exchange is not None else None
+
+    @property
+    def expert_exchange(self) -> Exchange | None:
+        """This rank's expert-parallel token exchange (``units.ep_dispatch.Exchange``: its
+        counts, and a link cost a benchmark may declare) where experts are spread over
+        ``ep``, else None."""
+        return self._runner.exchange if self._runner is not None else None
 
     @property
     def memory(self) -> tuple[MemoryReport, ...]:

@@ -20,6 +20,7 @@ group runs each exchange, in the same order, also with nothing to send.
 from __future__ import annotations
 
 import copy
+import time
 import types
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,6 +84,11 @@ class Exchange:
     model: nn.Module  # the model whose experts modules the graph's calls name
     timeout: float | None = None  # seconds an all-to-all may wait for the others (the Pipe's)
     counts: ExchangeCounts = field(default_factory=ExchangeCounts)
+    # A declared cost of each all-to-all of rows (``schedules.Link``: latency + bytes sent /
+    # bandwidth per message, ``size - 1`` messages): it completes no sooner. gloo's
+    # all-to-all between processes of one host costs next to nothing; benchmarks declare
+    # a network's. None: as fast as it is.
+    declared_link: Any = None
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group)
@@ -126,11 +132,16 @@ class Exchange:
                    what: str, backward: bool = False) -> torch.Tensor:
         """``sent`` (rows in order of destination rank) exchanged over the group into
         ``output``, waiting at most the timeout."""
+        issued = time.perf_counter()
         work = dist.all_to_all_single(output, sent.contiguous(), output_splits, input_splits,
                                       group=self.group, async_op=True)
         try:
             assert work is not None
             work.wait(None if self.timeout is None else timedelta(seconds=self.timeout))
+            if self.declared_link is not None and output_splits is not None:
+                link, nbytes = self.declared_link, sent.numel() * sent.element_size()
+                cost = (self.size - 1) * (link.latency + nbytes / self.size / link.bandwidth)
+                time.sleep(max(0.0, issued + cost - time.perf_counter()))
         except RuntimeError as error:
             raise RuntimeError(
                 f"an expert-parallel all-to-all ({what}, {'backward' if backward else 'forward'})"

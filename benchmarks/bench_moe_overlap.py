@@ -1,0 +1,193 @@
+"""Expert parallelism's all-to-alls on a declared link: the step time they expose, and predict's error.
+
+Run from the repository root:
+
+    python benchmarks/bench_moe_overlap.py                 # (pp=2, ep=2), 4 gloo ranks
+    python benchmarks/bench_moe_overlap.py --latency 2e-3 --bandwidth 2e8 --launches 3
+
+A mixture-of-experts language model written by hand (float32, experts with Hugging Face's
+interface) trains at ``(pp=2, ep=2)`` under each schedule given, its experts spread over
+``ep`` (``expert_parallel=``). gloo's all-to-all between processes of one host costs next
+to nothing, so each token exchange is given a declared link (``Exchange.declared_link``:
+it completes no sooner than ``size - 1`` messages of latency + bytes / bandwidth after it
+was issued). Per schedule, the median step on the quietest steps of each launch:
+
+- ``exposed``: the step with the declared link minus the step without it, over the
+  all-to-all time declared on the busiest stage (its exchanges' costs, summed): 1.00
+  means its every exchange waited in full on the critical path, 0 that the schedule hid
+  them all (above 1: the other stages' exchanges lie on the critical path too).
+- ``hidden``: ``1 - exposed / exposed of the first schedule`` (the unoverlapped baseline,
+  1F1B): what a schedule hides of what the baseline exposes.
+- ``predicted_error``: ``|Pipe.predict() - measured| / measured`` with the declared link
+  (predict measures each chunk with its exchanges, as the runtime runs it).
+
+The line ``RESULT hidden=<fraction> predicted_error=<fraction>`` gives the last schedule's,
+the medians over the launches. Every schedule here runs each micro-batch's exchanges
+within its own forward and backward: none overlaps them yet, so ``hidden`` is near 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+
+def _model(layers: int, width: int, experts: int) -> torch.nn.Module:
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = experts
+            self.gate_up_proj = nn.Parameter(torch.randn(experts, 4 * width, width) * 0.05)
+            self.down_proj = nn.Parameter(torch.randn(experts, width, 2 * width) * 0.05)
+
+        def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros_like(hidden)
+            for expert in range(self.num_experts):
+                token, pick = torch.where(top_k_index == expert)
+                if len(token):
+                    gate, up = F.linear(hidden[token], self.gate_up_proj[expert]).chunk(2, -1)
+                    value = F.linear(F.silu(gate) * up, self.down_proj[expert])
+                    out.index_add_(0, token, value * top_k_weights[token, pick, None])
+            return out
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.mix = nn.Linear(width, width)
+            self.router = nn.Linear(width, experts)
+            self.experts = Experts()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.mix(self.norm(x))
+            flat = x.reshape(-1, width)
+            weights, index = torch.topk(torch.softmax(self.router(flat), -1), 2, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            return x + self.experts(flat, index, weights).view_as(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(64, width)
+            self.layers = nn.ModuleList(Block() for _ in range(layers))
+            self.head = nn.Linear(width, 64)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.embed(input_ids)
+            for block in self.layers:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _rank(rank: int, world: int, schedules: list[str], options: dict[str, Any]
+          ) -> list[dict[str, Any]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn import functional as F
+
+    from pipeline import Distributed, Pipe, SummedLoss
+    from schedules import Link
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    rows, length = options["rows"], options["length"]
+    generator = torch.Generator().manual_seed(1 + mesh.get_local_rank("ep"))
+    ids = torch.randint(0, 64, (rows, length), generator=generator)
+    batch = {"input_ids": ids}
+    loss_fn = SummedLoss(lambda out, labels: F.cross_entropy(out.flatten(0, 1), labels.flatten(),
+                                                             reduction="sum"),
+                         lambda labels: labels.numel())
+    link = Link(latency=options["latency"], bandwidth=options["bandwidth"])
+    found = []
+    for schedule in schedules:
+        model = _model(options["layers"], options["width"], 4)
+        with Pipe(model, chunks=options["chunks"], schedule=schedule, checkpoint="never",
+                  sample=batch, loss_fn=loss_fn,
+                  distributed=Distributed.from_mesh(mesh, expert_parallel={
+                      "layers.*.experts": "ep_dispatch_experts"})) as pipe:
+            exchange = pipe.expert_exchange
+            assert exchange is not None
+            times: dict[str, list[float]] = {"plain": [], "declared": []}
+            declared = 0.0
+            for _ in range(options["warmup"]):
+                pipe.step(batch, ids)
+            for _ in range(options["steps"]):
+                for kind in ("plain", "declared"):
+                    exchange.declared_link = link if kind == "declared" else None
+                    before = exchange.counts.forward_bytes, exchange.counts.backward_bytes, \
+                        exchange.counts.forward + exchange.counts.backward
+                    start = time.perf_counter()
+                    pipe.step(batch, ids)
+                    times[kind].append(time.perf_counter() - start)
+                    if kind == "declared":
+                        sent = (exchange.counts.forward_bytes - before[0]
+                                + exchange.counts.backward_bytes - before[1])
+                        calls = exchange.counts.forward + exchange.counts.backward - before[2]
+                        declared = (calls * (world // 2 - 1) * link.latency
+                                    + sent * (world // 2 - 1) / (world // 2) / link.bandwidth)
+            exchange.declared_link = link
+            predicted = pipe.predict(batch, ids).makespan
+            found.append({"schedule": schedule, "plain": statistics.median(times["plain"]),
+                          "declared": statistics.median(times["declared"]),
+                          "declared_a2a": declared, "predicted": predicted})
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="1f1b,zb-v")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--latency", type=float, default=1e-3)
+    parser.add_argument("--bandwidth", type=float, default=1e8, help="bytes per second")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--launches", type=int, default=3)
+    args = parser.parse_args()
+    from _spawn import run_ranks
+
+    schedules = args.schedules.split(",")
+    options = {key: getattr(args, key) for key in ("layers", "width", "rows", "length", "chunks",
+                                                   "latency", "bandwidth", "steps", "warmup")}
+    runs = [run_ranks(_rank, 4, schedules, options, timeout=900) for _ in range(args.launches)]
+    print(f"(pp=2, ep=2), 4 gloo ranks; declared link: {args.latency * 1e3:.2f} ms + bytes / "
+          f"{args.bandwidth:.0e} B/s per message; medians over {args.launches} launches")
+    print(f"{'schedule':<12}{'step':>9}{'+ link':>9}{'declared a2a':>14}{'exposed':>9}"
+          f"{'hidden':>8}{'predicted':>11}{'error':>8}")
+    baseline = None
+    hidden = error = 0.0
+    for index, schedule in enumerate(schedules):
+        # the ranks' step times agree (one step); the busiest stage's declared time
+        rows = [run[0][index] for run in runs]
+        plain = statistics.median(row["plain"] for row in rows)
+        declared = statistics.median(row["declared"] for row in rows)
+        a2a = statistics.median(max(rank[index]["declared_a2a"] for rank in run) for run in runs)
+        predicted = statistics.median(row["predicted"] for row in rows)
+        exposed = (declared - plain) / a2a if a2a else 0.0
+        baseline = exposed if baseline is None else baseline
+        hidden = 1.0 - exposed / baseline if baseline else 0.0
+        error = abs(predicted - declared) / declared
+        print(f"{schedule:<12}{plain:>8.3f}s{declared:>8.3f}s{a2a:>13.3f}s{exposed:>9.2f}"
+              f"{hidden:>8.2f}{predicted:>10.3f}s{error:>8.3f}")
+    print(f"RESULT hidden={hidden:.3f} predicted_error={error:.3f}")
+
+
+if __name__ == "__main__":
+    main()
