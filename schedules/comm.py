@@ -222,7 +222,7 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
           channel: int | None = None, together: bool = True) -> PlanSteps:
     """``stage``'s steps: before action ``i``, the ops posted in gap ``i`` (one group, or one
     group per op unless ``together``); after the last action, the last gap's."""
-    gaps = moves.gaps
+    gaps = moves.gaps.tolist()  # ints made once, not once per pass
     if together:  # one group per gap: a group ends where the (never decreasing) gap changes
         last = list(map(ne, gaps, chain(islice(gaps, 1, None), (-1,))))
         groups: Sequence[int] = list(compress(gaps, last))

@@ -60,7 +60,7 @@ class Messages:
         """The ops of ``moves``: a send at the message's source, a receive at its
         destination, on its channel or on ``channel`` (column by column, at C speed)."""
         ops = OpArrays()
-        entries = moves.entries
+        entries = moves.entries.tolist()  # ints made once, not once per pass
         peers, channels, codes, microbatches, chunks = self._columns
         messages = list(map((1).__rrshift__, entries))  # entry >> 1
         ops.kinds = bytearray(map((1).__rand__, entries))  # entry & 1
