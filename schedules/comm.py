@@ -73,11 +73,12 @@ Megatron fusion above.
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import chain, compress, islice
-from operator import ne, sub
+from itertools import chain, compress, count, islice, repeat
+from operator import add, ne
 from typing import Literal, Union
 
 from schedules._speed import gc_paused
@@ -229,9 +230,9 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
         ends = array("q", compress(range(1, len(gaps) + 1), last))
     else:
         groups, ends = gaps, array("q", range(1, len(gaps) + 1))
-    # The actions before each group's gap, since the one before: runs joined by group steps.
-    runs = map(sub, chain(groups, (len(schedule.orders[stage]),)), chain((0,), groups))
-    kinds = bytes((GROUP_STEP,)).join(map(bytes((ACTION_STEP,)).__mul__, runs))
+    # Group n comes after the actions before its gap and the n groups before it.
+    kinds = bytearray((ACTION_STEP,)) * (len(schedule.orders[stage]) + len(groups))
+    deque(map(kinds.__setitem__, map(add, groups, count()), repeat(GROUP_STEP)), 0)
     return PlanSteps(kinds, schedule.orders[stage], ends, messages.op_arrays(moves, channel))
 
 

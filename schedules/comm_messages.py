@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 
 from schedules.action import CODE_F, CODE_W, Schedule
 from schedules.comm_ops import ACTIVATIONS, GRADIENTS
@@ -46,15 +47,19 @@ class Messages:
 
     @cached_property
     def _columns(self) -> tuple[list[int], ...]:
-        """Lists (C-fast to gather from): by move entry (``Moves.entries``) the peer, the
-        destination of a send and the source of a receive; by message its channel and its
-        producer's op code, micro-batch and chunk."""
-        peers = [0] * (2 * len(self.producer))
-        peers[SEND::2], peers[RECEIVE::2] = self.destination, self.source
+        """Lists (C-fast to gather from), by move entry (``Moves.entries``, two per message):
+        the peer (the destination of a send, the source of a receive), and the message's
+        channel and its producer's op code, micro-batch and chunk."""
         units = list(map((2).__rrshift__, self.producer))  # key >> 2
-        return (peers, self.channel.tolist(), list(map((3).__rand__, self.producer)),
-                list(map(self.chunks.__rfloordiv__, units)),
-                list(map(self.chunks.__rmod__, units)))
+        by_message = (self.channel.tolist(), list(map((3).__rand__, self.producer)),
+                      list(map(self.chunks.__rfloordiv__, units)),
+                      list(map(self.chunks.__rmod__, units)))
+        columns = []
+        for sent, received in [(self.destination, self.source)] + [(c, c) for c in by_message]:
+            column = [0] * (2 * len(self.producer))
+            column[SEND::2], column[RECEIVE::2] = sent, received
+            columns.append(column)
+        return tuple(columns)
 
     def op_arrays(self, moves: Moves, channel: int | None = None) -> OpArrays:
         """The ops of ``moves``: a send at the message's source, a receive at its
@@ -62,14 +67,13 @@ class Messages:
         ops = OpArrays()
         entries = moves.entries.tolist()  # ints made once, not once per pass
         peers, channels, codes, microbatches, chunks = self._columns
-        messages = list(map((1).__rrshift__, entries))  # entry >> 1
         ops.kinds = bytearray(map((1).__rand__, entries))  # entry & 1
         ops.peers = array("q", map(peers.__getitem__, entries))
-        ops.channels = (array("q", map(channels.__getitem__, messages))
+        ops.channels = (array("q", map(channels.__getitem__, entries))
                         if channel is None else array("q", [channel]) * len(entries))
-        ops.producer_ops = bytearray(map(codes.__getitem__, messages))
-        ops.microbatches = array("q", map(microbatches.__getitem__, messages))
-        ops.chunks = array("q", map(chunks.__getitem__, messages))
+        ops.producer_ops = bytearray(map(codes.__getitem__, entries))
+        ops.microbatches = array("q", map(microbatches.__getitem__, entries))
+        ops.chunks = array("q", map(chunks.__getitem__, entries))
         return ops
 
 
@@ -99,36 +103,54 @@ class Moves:
 
 def find_messages(schedule: Schedule, flat: Flat) -> Messages:
     """Every cross-stage dependency of ``schedule`` (valid) as a message, in consumer order."""
-    placement = schedule.placement
-    chunks = schedule.chunks
-    where = array("q", bytes(8 * flat.size))
+    where = array("q", bytes(8 * flat.size))  # per key, its index on its stage
     for keys in flat.keys:
         for index, key in enumerate(keys):
             where[key] = index
-    columns: list[array[int]] = [array("q") for _ in range(6)]
-    producer, source, produced_at, destination, consumer_index, channel = columns
+    producer: list[int] = []
+    source: list[int] = []
+    produced_at: list[int] = []
+    destination: list[int] = []
+    consumer_index: list[int] = []
     out = [array("q", [-1]) * len(keys) for keys in flat.keys]
     needs = [array("q", [-1]) * len(keys) for keys in flat.keys]
+    message = 0
     for stage, order in enumerate(schedule.orders):
-        first, second = flat.first[stage], flat.second[stage]
-        for index, (code, chunk) in enumerate(zip(order.ops, order.chunks)):
+        first, second, needed = flat.first[stage], flat.second[stage], needs[stage]
+        forward_from, backward_from = _senders(schedule.placement, stage)
+        began, index = message, -1
+        for code, chunk in zip(order.ops, order.chunks):
+            index += 1
             if code == CODE_F:
-                if not chunk or placement[chunk - 1] == stage:
-                    continue
-                key, sender = first[index], placement[chunk - 1]
-            elif code == CODE_W or second[index] < 0 or placement[chunk + 1] == stage:
+                sender, key = forward_from[chunk], first[index]
+            elif code == CODE_W:
                 continue
             else:
-                key, sender = second[index], placement[chunk + 1]
+                sender, key = backward_from[chunk], second[index]
+            if sender < 0:
+                continue
             at = where[key]
-            message = len(producer)
+            out[sender][at] = needed[index] = message
+            message += 1
             producer.append(key)
             source.append(sender)
             produced_at.append(at)
-            destination.append(stage)
             consumer_index.append(index)
-            channel.append(ACTIVATIONS if key & 3 == CODE_F else GRADIENTS)
-            out[sender][at] = message
-            needs[stage][index] = message
-    return Messages(producer, source, produced_at, destination, consumer_index, channel, out,
-                    needs, chunks)
+        destination.extend(repeat(stage, message - began))
+    channel = map(_CHANNELS.__getitem__, map((3).__and__, producer))  # by producer op code
+    return Messages(*(array("q", column) for column in (
+        producer, source, produced_at, destination, consumer_index, channel)),
+        out, needs, schedule.chunks)
+
+
+_CHANNELS = (ACTIVATIONS, GRADIENTS, GRADIENTS, GRADIENTS)  # by op code: F's result, gradients
+
+
+def _senders(placement: tuple[int, ...], stage: int) -> tuple[list[int], list[int]]:
+    """By chunk, the stage that sends a forward of ``stage`` its input (chunk c-1's) and the
+    one that sends a B or I its gradient (chunk c+1's), or -1: none, or ``stage`` itself."""
+    last = len(placement) - 1
+    before = [placement[chunk - 1] if chunk else stage for chunk in range(last + 1)]
+    after = [placement[chunk + 1] if chunk < last else stage for chunk in range(last + 1)]
+    return ([-1 if other == stage else other for other in before],
+            [-1 if other == stage else other for other in after])
