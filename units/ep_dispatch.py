@@ -54,15 +54,17 @@ def opaque_experts(model: nn.Module, names: list[str]) -> nn.Module:
     for name in names:
         module = model.get_submodule(name)
         module.__dict__["_experts_name"] = name
-        module.forward = types.MethodType(_opaque_forward, module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(_opaque_forward, module)
     return model
 
 
 def _opaque_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     parameters = [tensor for _, tensor in module.named_parameters(recurse=False)]
-    return torch.ops.pipesched.experts(hidden, top_k_index, top_k_weights, parameters,
-                                       module.__dict__["_experts_name"])
+    called: torch.Tensor = torch.ops.pipesched.experts(hidden, top_k_index, top_k_weights,
+                                                       parameters,
+                                                       module.__dict__["_experts_name"])
+    return called
 
 
 @dataclass
@@ -119,12 +121,14 @@ class Exchange:
         local_ids = self._exchanged((flat - owner * local_experts)[order],
                                     flat.new_empty(sum(received_splits)), received_splits,
                                     send_splits, "expert ids")
-        arrived = _AllToAll.apply(hidden[rows], self, received_splits, send_splits)
+        arrived: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+            hidden[rows], self, received_splits, send_splits)
         self.counts.received_rows += len(local_ids)
         computed = _run_local(module, parameters, arrived, local_ids, top_k_weights.dtype)
-        returned = _AllToAll.apply(computed, self, send_splits, received_splits)
+        returned: torch.Tensor = _AllToAll.apply(  # type: ignore[no-untyped-call]
+            computed, self, send_splits, received_splits)
         by_pair = returned[torch.argsort(order)].view(tokens, picks, -1)
-        combined = (by_pair * top_k_weights.unsqueeze(-1)).sum(dim=1)
+        combined: torch.Tensor = (by_pair * top_k_weights.unsqueeze(-1)).sum(dim=1)
         return combined.to(hidden.dtype)
 
     def _exchanged(self, sent: torch.Tensor, output: torch.Tensor,
@@ -159,7 +163,8 @@ def _run_local(module: nn.Module, parameters: list[torch.Tensor], arrived: torch
         return arrived * 0  # nothing to compute; kept on the graph so its backward exchanges
     view = _holding(module, parameters)
     ones = torch.ones(len(local_ids), 1, dtype=weight_dtype, device=arrived.device)
-    return view(arrived, local_ids.unsqueeze(1), ones)
+    computed: torch.Tensor = view(arrived, local_ids.unsqueeze(1), ones)
+    return computed
 
 
 def _holding(module: nn.Module, parameters: list[torch.Tensor]) -> nn.Module:

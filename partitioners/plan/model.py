@@ -91,9 +91,9 @@ def plan_for_model(
     layers = model.units if isinstance(model, Cut) else model
 
     def measured(size: int) -> Any:
-        costs = profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
-                        progress=False, microbatch_size=size, loss_fn=loss_fn, target=target,
-                        split_backward=split_backward)
+        costs: Any = profile(layers, sample, device=device, warmup=warmup, repeat=repeat,
+                             progress=False, microbatch_size=size, loss_fn=loss_fn,
+                             target=target, split_backward=split_backward)
         costs = costs if tensor_parallel is None else split_costs(costs, tensor_parallel)
         return costs if expert_parallel is None else spread_costs(costs, expert_parallel)
 

@@ -217,8 +217,9 @@ def _batch_group(mesh: DeviceMesh) -> ProcessGroup:
     sharing = [names.index("dp"), names.index("ep")]
     others = [dim for dim in range(len(names)) if dim not in sharing]
     rows = mesh.mesh.permute(*others, *sharing).reshape(-1, mesh["dp"].size() * mesh["ep"].size())
-    mine, _ = dist.new_subgroups_by_enumeration([row.tolist() for row in rows])
-    assert mine is not None
+    mine, _ = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call]
+        [row.tolist() for row in rows])
+    assert isinstance(mine, ProcessGroup)
     return mine
 
 
