@@ -4,6 +4,7 @@ Run from the repository root:
 
     python benchmarks/bench_schedules.py                  # issue 43's table and bars
     python benchmarks/bench_schedules.py --repeat 3
+    python benchmarks/bench_schedules.py --bars-only --repeat 3   # only the two bars' cases
     python benchmarks/bench_schedules.py --case gpipe 8 32 --case zb-v 8 64 --no-bars
     python benchmarks/bench_schedules.py --memory         # tracemalloc peaks too (slower)
 
@@ -20,8 +21,9 @@ The bars of issue 43 (a benchmark, not a test; judged on the best of ``--repeat`
     zb-v P=128 M=4096  each of generate, validate, simulate, comm plan < 10 s
     zb-v P=64  M=1024  gc.collect() with timetable and comm plan alive < 60 ms
 
-Exits with status 1 when a bar is missed. Uses only the public API, so the same file
-measures an older checkout (``git worktree add /tmp/old <commit>``, then run it there).
+Ends with a ``RESULT`` line giving, for the two bars' cases, each phase and the sum
+(best of ``--repeat``). Exits with status 1 when a bar is missed. Uses only the public API,
+so the same file measures an older checkout (``git worktree add /tmp/old <commit>``, then run it there).
 """
 
 from __future__ import annotations
@@ -115,15 +117,28 @@ def bars(best: dict[tuple[str, int, int], dict[str, float]]) -> list[str]:
     return missed
 
 
+def result_line(best: dict[tuple[str, int, int], dict[str, float]]) -> str:
+    """One line with both bars' figures: each phase of the two cases and their sums."""
+    cells = []
+    for case in (TOGETHER, EACH):
+        figures = best[case]
+        phases = " ".join(f"{phase.replace(' ', '_')}={figures[phase]:.2f}" for phase in PHASES[:4])
+        together = sum(figures[phase] for phase in PHASES[:4])
+        cells.append(f"{case[0]} P={case[1]} M={case[2]}: {phases} sum={together:.2f}")
+    return "RESULT CPU s (bars: P=64 sum < 2, P=128 each < 10): " + "; ".join(cells)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--case", nargs=3, action="append", metavar=("NAME", "P", "M"),
                         help="a schedule name, stages and micro-batches (repeatable)")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case")
     parser.add_argument("--no-bars", action="store_true", help="time only the --case cases")
+    parser.add_argument("--bars-only", action="store_true",
+                        help="time only the bars' two cases (and any --case)")
     parser.add_argument("--memory", action="store_true", help="tracemalloc peaks (a second run)")
     args = parser.parse_args(argv)
-    cases = [] if args.no_bars else list(CASES)
+    cases = [] if args.no_bars else [TOGETHER, EACH] if args.bars_only else list(CASES)
     cases += [(name, int(p), int(m)) for name, p, m in args.case or []]
 
     print("CPU seconds; gc: one full gc.collect() with timetable + comm plan alive, ms")
@@ -139,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 kept[key] = min(kept[key], value)
             _print_row(case, figures, memory_peak(*case) if args.memory else None)
     missed = [] if args.no_bars else bars(best)
+    if TOGETHER in best and EACH in best:
+        print(result_line(best))
     for sentence in missed:
         print("  missed:", sentence)
     print("a bar was missed" if missed else "within the bars" if not args.no_bars else "")

@@ -233,7 +233,7 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
     # Group n comes after the actions before its gap and the n groups before it.
     kinds = bytearray((ACTION_STEP,)) * (len(schedule.orders[stage]) + len(groups))
     deque(map(kinds.__setitem__, map(add, groups, count()), repeat(GROUP_STEP)), 0)
-    return PlanSteps(kinds, schedule.orders[stage], ends, messages.op_arrays(moves, channel))
+    return PlanSteps(bytes(kinds), schedule.orders[stage], ends, messages.op_arrays(moves, channel))
 
 
 def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:

@@ -138,9 +138,9 @@ def find_messages(schedule: Schedule, flat: Flat) -> Messages:
             consumer_index.append(index)
         destination.extend(repeat(stage, message - began))
     channel = map(_CHANNELS.__getitem__, map((3).__and__, producer))  # by producer op code
-    return Messages(*(array("q", column) for column in (
-        producer, source, produced_at, destination, consumer_index, channel)),
-        out, needs, schedule.chunks)
+    return Messages(array("q", producer), array("q", source), array("q", produced_at),
+                    array("q", destination), array("q", consumer_index), array("q", channel),
+                    out, needs, schedule.chunks)
 
 
 _CHANNELS = (ACTIVATIONS, GRADIENTS, GRADIENTS, GRADIENTS)  # by op code: F's result, gradients
