@@ -72,9 +72,19 @@ _TRACES: list[tuple[Any, ModelState, tuple[torch.fx.GraphModule, CallSpec]]] = [
 
 
 def _sharing_tensors(model: nn.Module) -> nn.Module:
-    """A copy of ``model``'s modules that holds the model's own tensors."""
-    return copy.deepcopy(model, {id(tensor): tensor for tensor in
-                                 [*model.parameters(), *model.buffers()]})
+    """A copy of ``model``'s modules that holds the model's own tensors.
+
+    Raises:
+        TraceError: the modules cannot be copied.
+    """
+    try:
+        return copy.deepcopy(model, {id(tensor): tensor for tensor in
+                                     [*model.parameters(), *model.buffers()]})
+    except Exception as error:  # deepcopy raises what the objects it copies raise
+        raise TraceError(
+            f"tracing {type(model).__name__}'s experts modules as one call each traces a copy "
+            f"of its modules (holding its own tensors), and copying them failed: "
+            f"{type(error).__name__}: {error}") from error
 
 
 def _fingerprint(model: nn.Module, sample: Any, modes: tuple[bool, ...]) -> Any:
