@@ -16,6 +16,7 @@ from partitioners.measure.cost import LayerCost
 from partitioners.measure.model_cut import cut_of
 from partitioners.plan.expert_parallel import ExpertParallelism, spread_costs
 from schedules import Link
+from schedules.registry import schedule_names
 from tests.pipeline.helpers.dist_harness import in_turn, run_ranks
 from traced_models import tokens
 from units import TraceError
@@ -27,7 +28,11 @@ from units.ep_plan import check_expert_split, expert_count, resolve_expert_plan
 CASES = [("mixtral", "1f1b", "never"), ("mixtral", "dualpipe-v", "never"),
          ("qwen3-moe", "1f1b", "always"),
          ("hand", "zb-v", "always"), ("hand", "interleaved-1f1b", "always"),
-         ("hand", "zb-h1", "never"), ("hand-one-side", "1f1b", "never")]
+         ("hand", "zb-h1", "never"), ("hand-one-side", "1f1b", "never"),
+         # the rest of the registered schedules and the default recomputation
+         ("hand", "gpipe", "never"), ("hand", "zb-h2", "never"), ("hand", "zb", "never"),
+         ("hand", "v-half", "always"), ("hand", "v-min", "never"),
+         ("hand", "dualpipe-v", "never"), ("hand", "1f1b", "except_last")]
 FLOAT32 = (1e-5, 1e-4)  # the loss's relative error; a gradient's, relative to the largest
 FLOAT64 = 1e-10
 
@@ -36,6 +41,7 @@ def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
     by_rank = run_ranks(in_turn, 4, [(ep_exact, ((2, 2), ("pp", "ep"), CASES)),
                                      (ep_state, (str(tmp_path / "checkpoint"),))],
                         timeout=900)
+    assert {schedule for _, schedule, _ in CASES} >= set(schedule_names())  # every one
     for rank, (rows, state) in enumerate(by_rank):
         assert [row[:3] for row in rows] == CASES
         for kind, schedule, mode, loss_error, grad_error, compared, received in rows:
