@@ -133,16 +133,17 @@ class Exchange:
 
     def _exchanged(self, sent: torch.Tensor, output: torch.Tensor,
                    output_splits: list[int] | None, input_splits: list[int] | None,
-                   what: str, backward: bool = False) -> torch.Tensor:
+                   what: str, backward: bool = False, rows: bool = False) -> torch.Tensor:
         """``sent`` (rows in order of destination rank) exchanged over the group into
-        ``output``, waiting at most the timeout."""
+        ``output``, waiting at most the timeout (and, for token ``rows``, at least the
+        declared link's time)."""
         issued = time.perf_counter()
         work = dist.all_to_all_single(output, sent.contiguous(), output_splits, input_splits,
                                       group=self.group, async_op=True)
         try:
             assert work is not None
             work.wait(None if self.timeout is None else timedelta(seconds=self.timeout))
-            if self.declared_link is not None and output_splits is not None:
+            if self.declared_link is not None and rows:
                 link, nbytes = self.declared_link, sent.numel() * sent.element_size()
                 cost = (self.size - 1) * (link.latency + nbytes / self.size / link.bandwidth)
                 time.sleep(max(0.0, issued + cost - time.perf_counter()))
@@ -189,7 +190,8 @@ class _AllToAll(torch.autograd.Function):
         output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
         exchange.counts.forward += 1
         exchange.counts.forward_bytes += rows.numel() * rows.element_size()
-        return exchange._exchanged(rows, output, output_splits, input_splits, "token rows")
+        return exchange._exchanged(rows, output, output_splits, input_splits, "token rows",
+                                   rows=True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -199,7 +201,7 @@ class _AllToAll(torch.autograd.Function):
         exchange.counts.backward += 1
         exchange.counts.backward_bytes += grad.numel() * grad.element_size()
         returned = exchange._exchanged(grad, output, input_splits, output_splits,
-                                       "token rows' gradients", backward=True)
+                                       "token rows' gradients", backward=True, rows=True)
         return returned, None, None, None
 
 
