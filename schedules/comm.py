@@ -76,18 +76,19 @@ from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import chain, compress, count, islice, repeat
 from operator import add, ne
 from typing import Literal, Union
 
 from schedules._speed import gc_paused
-from schedules.action import Action, Schedule
+from schedules.action import Action, Schedule, StageOrder
 from schedules.comm_messages import Messages, Moves, find_messages
 from schedules.comm_ops import CommOp, Group
 from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.flat import flatten
-from schedules.plan_steps import ACTION_STEP, GROUP_STEP, RECEIVE, SEND, PlanSteps
+from schedules.plan_steps import (ACTION_STEP, GROUP_STEP, RECEIVE, SEND, Fields,
+                                  PlanSteps)
 from schedules.validate import feasible_order, validate
 
 Strategy = Literal["overlap", "ordered", "paired", "naive"]
@@ -108,7 +109,8 @@ class CommPlan:
         schedule: the timetable whose compute order the plan keeps exactly.
         stages: per stage, a tuple of steps, each an ``Action`` or a ``Group`` (stored as
             ``PlanSteps``, arrays made into objects when read, whenever arrays can hold
-            them: always for ``comm_plan``'s plans).
+            them: always for ``comm_plan``'s plans, whose arrays are made on a stage's
+            first read, so that a rank pays for its own stage only).
         strategy: how it was built (see ``comm_plan``), for messages.
     """
 
@@ -118,8 +120,7 @@ class CommPlan:
 
     def __post_init__(self) -> None:
         # Arrays where they can hold the steps (always, for comm_plan's): see plan_steps.
-        object.__setattr__(self, "stages", tuple(
-            PlanSteps.of(steps) or tuple(steps) for steps in self.stages))
+        object.__setattr__(self, "stages", tuple(map(_arrays, self.stages)))
         if len(self.stages) != self.schedule.stages:
             raise ValueError(
                 f"a comm plan needs one step list per stage: expected "
@@ -141,10 +142,15 @@ class CommPlan:
     @cached_property
     def channels(self) -> tuple[int, ...]:
         """The channels used, sorted: one communicator each."""
-        return tuple(sorted({
-            op.channel for steps in self.stages for step in steps
-            if isinstance(step, Group) for op in step.ops
-        }))
+        used: set[int] = set()
+        for steps in self.stages:
+            if isinstance(steps, PlanSteps):  # every op is in a group: read the column
+                ends = steps.group_ends
+                used.update(islice(steps.ops.channels, ends[-1] if ends else 0))
+            else:
+                used.update(op.channel for step in steps if isinstance(step, Group)
+                            for op in step.ops)
+        return tuple(sorted(used))
 
     def peers(self, stage: int) -> tuple[int, ...]:
         """The stages ``stage`` exchanges messages with, sorted."""
@@ -152,6 +158,13 @@ class CommPlan:
 
     def __str__(self) -> str:
         return format_plan(self)
+
+
+def _arrays(steps: Sequence[Step]) -> tuple[Step, ...]:
+    """``steps`` as ``PlanSteps`` if arrays can hold them and there are any (a later one
+    is not made to find out: ``_plan`` makes none for an empty stage), else as a tuple."""
+    arrays = PlanSteps.of(steps)
+    return tuple(steps) if arrays is None or (arrays.made and not arrays) else arrays
 
 
 def format_plan(plan: CommPlan, around: Mapping[int, int] | None = None, width: int = 3) -> str:
@@ -222,7 +235,16 @@ def comm_plan(schedule: Schedule, strategy: Strategy = "overlap") -> CommPlan:
 def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
           channel: int | None = None, together: bool = True) -> PlanSteps:
     """``stage``'s steps: before action ``i``, the ops posted in gap ``i`` (one group, or one
-    group per op unless ``together``); after the last action, the last gap's."""
+    group per op unless ``together``); after the last action, the last gap's. Made when
+    first read (``PlanSteps.later``): a rank reads only its own stage's."""
+    make = partial(_steps, schedule.orders[stage], moves, messages, channel, together)
+    return PlanSteps(*make()) if not moves.gaps and not schedule.orders[stage] \
+        else PlanSteps.later(make)
+
+
+def _steps(order: StageOrder, moves: Moves, messages: Messages, channel: int | None,
+           together: bool) -> Fields:
+    """The fields of the PlanSteps of ``_plan``, for a stage running ``order``."""
     gaps = moves.gaps.tolist()  # ints made once, not once per pass
     if together:  # one group per gap: a group ends where the (never decreasing) gap changes
         last = list(map(ne, gaps, chain(islice(gaps, 1, None), (-1,))))
@@ -231,9 +253,9 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
     else:
         groups, ends = gaps, array("q", range(1, len(gaps) + 1))
     # Group n comes after the actions before its gap and the n groups before it.
-    kinds = bytearray((ACTION_STEP,)) * (len(schedule.orders[stage]) + len(groups))
+    kinds = bytearray((ACTION_STEP,)) * (len(order) + len(groups))
     deque(map(kinds.__setitem__, map(add, groups, count()), repeat(GROUP_STEP)), 0)
-    return PlanSteps(bytes(kinds), schedule.orders[stage], ends, messages.op_arrays(moves, channel))
+    return bytes(kinds), order, ends, messages.op_arrays(moves, channel)
 
 
 def _local(schedule: Schedule, messages: Messages, paired: bool) -> list[PlanSteps]:

@@ -4,6 +4,11 @@ A comm plan at 64 stages holds 10^5 to 10^6 steps and lives as long as the Pipe;
 per step and per op would cost every full garbage collection a scan of all of them (1.6 s
 at P=64, M=1024 with ZB-V, timetable included). ``PlanSteps`` keeps a kind per step, the
 actions as a ``StageOrder`` and the ops as arrays, and makes the objects when asked for.
+
+A rank reads only its own stage's steps, so ``PlanSteps.later`` makes even the arrays on
+first read: a plan of P stages then costs at build only what a stage that is read needs
+(at P=64, M=1024 with ZB-V the arrays of all stages are a third of ``comm_plan``). The first
+read makes them under a lock, once; every later read, from any thread, sees the same arrays.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from functools import cached_property
 from itertools import accumulate, repeat
 from operator import sub
-from typing import Any, SupportsIndex, overload
+from threading import Lock
+from typing import Any, Callable, Generic, SupportsIndex, TypeVar, overload
 
 from schedules.action import OP_CODES, OPS, Action, StageOrder, new_action
 from schedules.comm_ops import CommOp, Group
@@ -43,6 +49,30 @@ class OpArrays:
         self.chunks.append(chunk)
 
 
+Fields = tuple[bytes, StageOrder, "array[int]", OpArrays]  # PlanSteps' arguments, in order
+_T = TypeVar("_T")
+
+
+class _Field(Generic[_T]):
+    """A field of ``PlanSteps``, read from the instance; on a ``PlanSteps.later`` not yet
+    made, reading it makes every field (a non-data descriptor: once made, never called)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, steps: None, owner: type) -> _Field[_T]: ...
+
+    @overload
+    def __get__(self, steps: PlanSteps, owner: type) -> _T: ...
+
+    def __get__(self, steps: PlanSteps | None, owner: type) -> _Field[_T] | _T:
+        if steps is None:
+            return self
+        value: _T = steps._made()[self.name]
+        return value
+
+
 class PlanSteps(tuple[Any, ...]):
     """A stage's steps: reads as a tuple of ``Action`` and ``Group`` (its own storage empty).
 
@@ -55,22 +85,39 @@ class PlanSteps(tuple[Any, ...]):
             first read).
     """
 
-    kinds: bytes
-    actions: StageOrder
-    group_ends: array[int]
-    ops: OpArrays
+    kinds: _Field[bytes] = _Field()
+    actions: _Field[StageOrder] = _Field()
+    group_ends: _Field[array[int]] = _Field()
+    ops: _Field[OpArrays] = _Field()
 
     def __new__(cls, kinds: bytes, actions: StageOrder, group_ends: array[int],
                 ops: OpArrays) -> PlanSteps:
         steps = super().__new__(cls)
-        groups = kinds.count(GROUP_STEP)
-        counts = [len(kinds) - groups, groups]
-        if counts != [len(actions), len(group_ends)]:
-            raise ValueError(f"PlanSteps: {counts[0]} action and {counts[1]} group steps, "
-                             f"but {len(actions)} actions and {len(group_ends)} groups")
-        fields = steps.__dict__
-        fields.update(kinds=bytes(kinds), actions=actions, group_ends=group_ends, ops=ops)
+        steps.__dict__.update(_checked(kinds, actions, group_ends, ops))
         return steps
+
+    @classmethod
+    def later(cls, make: Callable[[], Fields]) -> PlanSteps:
+        """The PlanSteps of ``make()``'s fields, called on the first read of any of them (or
+        of the steps), once, under a lock; ``make`` is dropped then."""
+        steps = super().__new__(cls)
+        steps.__dict__.update(_make=make, _lock=Lock())
+        return steps
+
+    @property
+    def made(self) -> bool:
+        """Whether the fields are made (always, but for a ``later`` one not yet read)."""
+        return "_make" not in self.__dict__
+
+    def _made(self) -> dict[str, Any]:
+        """The instance's fields, made first if ``later`` left them to make."""
+        fields = self.__dict__
+        with fields["_lock"]:
+            make = fields.get("_make")
+            if make is not None:  # dropped only once made: a failed make raises again
+                fields.update(_checked(*make()))
+                del fields["_make"]
+        return fields
 
     @cached_property
     def slots(self) -> array[int]:
@@ -183,3 +230,14 @@ class PlanSteps(tuple[Any, ...]):
     def __reduce__(self) -> tuple[Any, ...]:
         return (PlanSteps, (self.kinds, self.actions, self.group_ends, self.ops))
 
+
+def _checked(kinds: bytes, actions: StageOrder, group_ends: array[int],
+             ops: OpArrays) -> dict[str, Any]:
+    """PlanSteps' fields by name, once the step kinds are checked against the actions and
+    groups."""
+    groups = kinds.count(GROUP_STEP)
+    counts = [len(kinds) - groups, groups]
+    if counts != [len(actions), len(group_ends)]:
+        raise ValueError(f"PlanSteps: {counts[0]} action and {counts[1]} group steps, "
+                         f"but {len(actions)} actions and {len(group_ends)} groups")
+    return {"kinds": bytes(kinds), "actions": actions, "group_ends": group_ends, "ops": ops}

@@ -4,6 +4,7 @@ stall under NCCL's rules; the runtime's naive posting order is shown to stall.""
 import re
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import assume, given, settings
@@ -255,3 +256,22 @@ def test_deadlock_window_marks_each_stage_in_the_cycle():
         window = message.splitlines()[1:]
         assert {line.split(":")[0] for line in window} == {f"stage {s}" for s in set(cycle)}
         assert all(">>[" in line for line in window)
+
+
+def test_a_plan_makes_a_stage_s_arrays_on_its_first_read_only():
+    schedule = get_schedule("zb-v", 4, 8)
+    plan = comm_plan(schedule)
+    assert not any(steps.made for steps in plan.stages)  # building paid for no stage
+    ops = plan.stages[2].ops
+    assert [steps.made for steps in plan.stages] == [False, False, True, False]
+    assert plan.stages[2].ops is ops  # made once
+    eager = CommPlan(schedule, tuple(tuple(steps) for steps in plan.stages), "overlap")
+    assert all(steps.made for steps in eager.stages)
+    assert plan.stages == eager.stages and str(plan) == str(eager)
+
+
+def test_threads_reading_one_stage_share_its_arrays():
+    plan = comm_plan(get_schedule("zb-v", 8, 32))
+    with ThreadPoolExecutor(8) as pool:
+        read = list(pool.map(lambda _: plan.stages[5].ops, range(16)))
+    assert all(ops is read[0] for ops in read)
