@@ -40,7 +40,34 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 
-def _model(layers: int, width: int, experts: int) -> torch.nn.Module:
+@torch.library.custom_op("bench_moe::sleep", mutates_args=())
+def _sleep(x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+    """``x``, after ``forward_s`` seconds; its backward takes ``backward_s``: a known cost
+    that takes no core (ranks share two), one opaque call in the traced graph."""
+    time.sleep(forward_s)
+    return x.clone()
+
+
+@_sleep.register_fake
+def _(x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _sleep_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.backward_s = inputs[2]
+
+
+def _sleep_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    time.sleep(ctx.backward_s)
+    return grad, None, None
+
+
+_sleep.register_autograd(_sleep_backward, setup_context=_sleep_setup)
+
+
+def _model(layers: int, width: int, experts: int, cost: float) -> torch.nn.Module:
+    """A mixture-of-experts language model whose attention and experts each cost ``cost``
+    seconds forward and twice that backward (sleeps), beside their small real compute."""
     from torch import nn
     from torch.nn import functional as F
 
@@ -53,6 +80,7 @@ def _model(layers: int, width: int, experts: int) -> torch.nn.Module:
 
         def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
+            hidden = _sleep(hidden, cost, 2 * cost)
             out = torch.zeros_like(hidden)
             for expert in range(self.num_experts):
                 token, pick = torch.where(top_k_index == expert)
@@ -71,7 +99,7 @@ def _model(layers: int, width: int, experts: int) -> torch.nn.Module:
             self.experts = Experts()
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = x + self.mix(self.norm(x))
+            x = x + _sleep(self.mix(self.norm(x)), cost, 2 * cost)
             flat = x.reshape(-1, width)
             weights, index = torch.topk(torch.softmax(self.router(flat), -1), 2, dim=-1)
             weights = weights / weights.sum(-1, keepdim=True)
@@ -114,8 +142,10 @@ def _rank(rank: int, world: int, schedules: list[str], options: dict[str, Any]
     link = Link(latency=options["latency"], bandwidth=options["bandwidth"])
     found = []
     for schedule in schedules:
-        model = _model(options["layers"], options["width"], 4)
-        with Pipe(model, chunks=options["chunks"], schedule=schedule, checkpoint="never",
+        model = _model(options["layers"], options["width"], 4, options["cost"])
+        name, _, overlap = schedule.partition("+")  # "dualpipe-v+overlap": its F&B pairs
+        with Pipe(model, chunks=options["chunks"], schedule=name, checkpoint="never",
+                  schedule_options={"overlap": True} if overlap else None,
                   sample=batch, loss_fn=loss_fn,
                   distributed=Distributed.from_mesh(mesh, expert_parallel={
                       "layers.*.experts": "ep_dispatch_experts"})) as pipe:
@@ -149,13 +179,16 @@ def _rank(rank: int, world: int, schedules: list[str], options: dict[str, Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", default="1f1b,zb-v")
+    parser.add_argument("--schedules", default="dualpipe-v,dualpipe-v+overlap",
+                        help="the first is the baseline; NAME+overlap runs NAME's pairs")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--latency", type=float, default=1e-3)
+    parser.add_argument("--cost", type=float, default=4e-3,
+                        help="seconds an attention or an experts call sleeps forward (x2 back)")
+    parser.add_argument("--latency", type=float, default=3e-3)
     parser.add_argument("--bandwidth", type=float, default=1e8, help="bytes per second")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -165,7 +198,8 @@ def main() -> None:
 
     schedules = args.schedules.split(",")
     options = {key: getattr(args, key) for key in ("layers", "width", "rows", "length", "chunks",
-                                                   "latency", "bandwidth", "steps", "warmup")}
+                                                   "latency", "bandwidth", "steps", "warmup",
+                                                   "cost")}
     runs = [run_ranks(_rank, 4, schedules, options, timeout=900) for _ in range(args.launches)]
     print(f"(pp=2, ep=2), 4 gloo ranks; declared link: {args.latency * 1e3:.2f} ms + bytes / "
           f"{args.bandwidth:.0e} B/s per message; medians over {args.launches} launches")

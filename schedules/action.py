@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, cast
 
+from schedules.pairs import checked_pairs, joined_pairs
 from schedules.parse import check_numbered, read_rows
 from schedules.stage_order import StageOrder
 from schedules.vocabulary import (ACTION_TEXT, CODE_B, CODE_F, CODE_I, CODE_W, OP_CODES, OPS,
@@ -38,6 +39,11 @@ class Schedule:
         name: the generator's name, for titles and error messages.
         forward_only: True for an inference timetable (``pipe(x)``): forwards only,
             which ``validate`` then accepts without backwards (and rejects with any).
+        pairs: ``pairs[stage]`` holds the positions ``p`` in that stage's order where the
+            forward at ``p`` and the backward (``B`` or ``I``) at ``p + 1`` run as one
+            overlapped pair (DeepSeek's ``F&B``): both start once both inputs are in, and
+            each one's expert all-to-alls run while the other computes (``schedules.pairs``).
+            Written ``F3@c1&B0`` in the text form; empty (no pairs) by default.
     """
 
     stages: int
@@ -46,6 +52,7 @@ class Schedule:
     placement: tuple[int, ...] = ()
     name: str = "custom"
     forward_only: bool = False
+    pairs: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", count("stages", self.stages))
@@ -69,6 +76,7 @@ class Schedule:
         missing = sorted(set(range(self.stages)) - set(placement))
         if missing:
             raise ValueError(f"placement leaves stage {missing[0]} without a model chunk")
+        object.__setattr__(self, "pairs", checked_pairs(self.pairs, order))
 
     @property
     def orders(self) -> tuple[StageOrder, ...]:
@@ -133,6 +141,8 @@ def format_order(
     for stage, actions in enumerate(schedule.orders):
         texts = actions.texts()
         start = 0
+        if around is None and schedule.pairs[stage]:
+            texts = joined_pairs(texts, schedule.pairs[stage])
         if around is not None:
             start = max(0, around[1] - width)
             if mark and stage == around[0] and around[1] < len(texts):
@@ -173,12 +183,13 @@ def parse_order(text: str, name: str = "custom") -> Schedule:
             what it holds; an index no action count of the text can reach; a gap in the
             micro-batches or chunks; a chunk on two stages.
     """
-    rows, note = read_rows(text)
-    return schedule_of_rows(rows, name, chunk_zero_note=note)
+    rows, note, pairs = read_rows(text)
+    return schedule_of_rows(rows, name, chunk_zero_note=note, pairs=pairs)
 
 
 def schedule_of_rows(
-    rows: Sequence[tuple[str, list[Action]]], name: str, chunk_zero_note: str = ""
+    rows: Sequence[tuple[str, list[Action]]], name: str, chunk_zero_note: str = "",
+    pairs: Sequence[Sequence[int]] = (),
 ) -> Schedule:
     """The Schedule of each stage's actions, its counts and placement read off the actions.
 
@@ -191,10 +202,11 @@ def schedule_of_rows(
         name: the schedule's name.
         chunk_zero_note: added to the message for chunk 0 on two stages (the text form
             says there why an action without ``@c`` is chunk 0).
+        pairs: per stage, the positions of its overlapped forward-and-backward pairs.
 
     Raises:
         ScheduleError: a stage without actions, a chunk on two stages, a gap in the
-            micro-batches or chunks.
+            micro-batches or chunks, a pair that is not a forward then a backward.
     """
     owner: dict[int, tuple[int, str]] = {}  # chunk -> (stage, where)
     microbatches: dict[int, str] = {}  # micro-batch -> where it first appears
@@ -223,4 +235,5 @@ def schedule_of_rows(
         placement=tuple(owner[chunk][0] for chunk in range(len(owner))),
         name=name,
         forward_only=all(action.op is Op.F for actions in order for action in actions),
+        pairs=tuple(tuple(stage) for stage in pairs),
     )

@@ -85,6 +85,7 @@ from schedules._speed import gc_paused
 from schedules.action import Action, Schedule, StageOrder
 from schedules.comm_messages import Messages, Moves, find_messages
 from schedules.comm_ops import CommOp, Group
+from schedules.comm_pairs import around_pairs
 from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.flat import flatten
 from schedules.plan_steps import (ACTION_STEP, GROUP_STEP, RECEIVE, SEND, Fields,
@@ -236,7 +237,9 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
           channel: int | None = None, together: bool = True) -> PlanSteps:
     """``stage``'s steps: before action ``i``, the ops posted in gap ``i`` (one group, or one
     group per op unless ``together``); after the last action, the last gap's. Made when
-    first read (``PlanSteps.later``): a rank reads only its own stage's."""
+    first read (``PlanSteps.later``): a rank reads only its own stage's. Nothing is
+    posted inside an overlapped pair (``comm_pairs``)."""
+    moves = around_pairs(moves, schedule.pairs[stage])
     make = partial(_steps, schedule.orders[stage], moves, messages, channel, together)
     return PlanSteps(*make()) if not moves.gaps and not schedule.orders[stage] \
         else PlanSteps.later(make)

@@ -42,7 +42,7 @@ from schedules._checks import check_counts
 from schedules.action import Action, Op, Schedule
 
 
-def dualpipe_v(stages: int, microbatches: int) -> Schedule:
+def dualpipe_v(stages: int, microbatches: int, overlap: bool = False) -> Schedule:
     """DualPipeV: stage s holds chunks s and 2P-1-s; F&B pairs in the steady state.
 
     >>> print(dualpipe_v(stages=2, microbatches=4))  # doctest: +NORMALIZE_WHITESPACE
@@ -54,6 +54,9 @@ def dualpipe_v(stages: int, microbatches: int) -> Schedule:
     Args:
         stages: number of pipeline stages P, >= 1.
         microbatches: number of micro-batches M, at least 2P.
+        overlap: run the steady state's forward-and-backward neighbours as overlapped
+            pairs (``Schedule.pairs``; ``schedules.pairs``): each F&B of phase 4 and the
+            F up & B down of phase 5. The order is the same.
 
     Returns:
         The schedule, with ``placement[c] == min(c, 2P-1-c)``, named ``"dualpipe-v"``.
@@ -69,8 +72,10 @@ def dualpipe_v(stages: int, microbatches: int) -> Schedule:
             f"micro-batches, or zb-v, which takes any count"
         )
     placement = tuple(min(chunk, 2 * stages - 1 - chunk) for chunk in range(2 * stages))
-    order = tuple(_StageOrder(stages, stage).build(microbatches) for stage in range(stages))
-    return Schedule(stages, microbatches, order, placement, name="dualpipe-v")
+    builders = [_StageOrder(stages, stage) for stage in range(stages)]
+    order = tuple(builder.build(microbatches) for builder in builders)
+    pairs = tuple(tuple(builder.pairs) for builder in builders) if overlap else ()
+    return Schedule(stages, microbatches, order, placement, name="dualpipe-v", pairs=pairs)
 
 
 class _StageOrder:
@@ -83,6 +88,11 @@ class _StageOrder:
                      (Op.B, self.up): 0}
         self.weights: deque[Action] = deque()
         self.order: list[Action] = []
+        self.pairs: list[int] = []  # positions of the F of each F&B pair
+
+    def pair(self) -> None:
+        """The next two actions are a forward and a backward run as one pair."""
+        self.pairs.append(len(self.order))
 
     def forward(self, chunk: int) -> None:
         self.order.append(Action(Op.F, self.next[(Op.F, chunk)], chunk))
@@ -110,12 +120,15 @@ class _StageOrder:
             self.weight()
             self.forward(up)
         for _ in range(microbatches - 2 * p + s + 1):
+            self.pair()
             self.forward(down)
             self.backward(up)
+            self.pair()
             self.forward(up)
             self.backward(down)
         for _ in range(p - 1 - s):
             self.backward(up)
+            self.pair()
             self.forward(up)
             self.backward(down)
         for index in range(2 * (s + 1)):  # the later half of these backwards are split

@@ -12,10 +12,11 @@ from schedules.vocabulary import STAGE_LINE as _STAGE_LINE
 from schedules.vocabulary import Action, Op, ScheduleError
 
 
-def read_rows(text: str) -> tuple[list[tuple[str, list[Action]]], str]:
-    """The actions of each stage line of ``text`` and, when some action names its chunk, the
-    note for a chunk 0 found on two stages: the work of ``Schedule.parse`` short of building
-    the Schedule.
+def read_rows(text: str) -> tuple[list[tuple[str, list[Action]]], str, list[list[int]]]:
+    """The actions of each stage line of ``text``; when some action names its chunk, the
+    note for a chunk 0 found on two stages; and each line's overlapped pairs (the positions
+    of the forwards written ``F3&B1``): the work of ``Schedule.parse`` short of building the
+    Schedule.
 
     Raises:
         ScheduleError: see ``Schedule.parse``.
@@ -29,7 +30,20 @@ def read_rows(text: str) -> tuple[list[tuple[str, list[Action]]], str]:
             "expected a timetable, one line per stage such as 'stage 0: F0 F1 B0 B1', "
             "got no stage lines"
         )
-    tokens = [_stage_tokens(line, where, stage) for stage, (where, line) in enumerate(lines)]
+    written = [_stage_tokens(line, where, stage) for stage, (where, line) in enumerate(lines)]
+    tokens, pairs = [], []
+    for row in written:
+        actions: list[str] = []
+        paired: list[int] = []
+        for token in row:
+            first, joined, second = token.partition("&")
+            if joined:
+                paired.append(len(actions))
+                actions.extend((first, second))
+            else:
+                actions.append(token)
+        tokens.append(actions)
+        pairs.append(paired)
     count = sum(len(row) for row in tokens)
     rows = [(where, _line_actions(row, f"{where} (stage {stage})", count))
             for stage, ((where, _), row) in enumerate(zip(lines, tokens))]
@@ -37,13 +51,11 @@ def read_rows(text: str) -> tuple[list[tuple[str, list[Action]]], str]:
                   for action, token in zip(actions, row) if "@" in token), None)
     if named is None:  # no action names its chunk: stage s runs chunk s
         return [(where, [Action(action.op, action.microbatch, stage) for action in actions])
-                for stage, (where, actions) in enumerate(rows)], ""
+                for stage, (where, actions) in enumerate(rows)], "", pairs
     note = (f"An action without '@c' is chunk 0 when any action names its chunk ({named[0]} "
             f"names {named[1]}): name the chunk of every action on the other stages' lines, "
             f"or name no chunk on any line (stage s then runs chunk s)")
-    return rows, note
-
-
+    return rows, note, pairs
 
 
 def _stage_tokens(line: str, where: str, stage: int) -> list[str]:

@@ -116,7 +116,8 @@ REGISTRY: Mapping[str, ScheduleInfo] = MappingProxyType({
         ScheduleInfo("v-half", v_half, 2, "v", True, _counted("v-half")),
         ScheduleInfo("v-min", v_min, 2, "v", True, _counted("v-min")),
         ScheduleInfo("dualpipe-v", dualpipe_v, 2, "v", True,
-                     _uniform(lambda p, m: p + 0.5), min_microbatches=lambda p: 2 * p),
+                     _uniform(lambda p, m: p + 0.5), {"overlap": False},
+                     min_microbatches=lambda p: 2 * p),
     )
 })
 GENERATORS: Mapping[str, Callable[..., Schedule]] = MappingProxyType(

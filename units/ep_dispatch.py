@@ -24,6 +24,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,6 +92,9 @@ class Exchange:
     # all-to-all between processes of one host costs next to nothing; benchmarks declare
     # a network's. None: as fast as it is.
     declared_link: Any = None
+    # Called right after a token rows' all-to-all is issued, before it is waited for: the
+    # runtime's turn-taking within an overlapped pair (``pipeline.runtime.paired``).
+    in_flight: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group)
@@ -140,6 +144,8 @@ class Exchange:
         issued = time.perf_counter()
         work = dist.all_to_all_single(output, sent.contiguous(), output_splits, input_splits,
                                       group=self.group, async_op=True)
+        if rows and self.in_flight is not None:
+            self.in_flight()
         try:
             assert work is not None
             work.wait(None if self.timeout is None else timedelta(seconds=self.timeout))

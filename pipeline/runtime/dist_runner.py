@@ -27,6 +27,7 @@ from pipeline.runtime.remote_layers import free_remote_layers, shared_across_sta
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.step_times import StepTimes
 from pipeline.runtime.expert_parallel import ExpertSplit
+from pipeline.runtime.paired import while_in_flight
 from pipeline.runtime.tensor_parallel import TensorSplit, send_shards
 from pipeline.runtime.rank_share import rank_share
 from pipeline.runtime.runner import PendingTimeline, propagate_input_grads, step_of
@@ -153,6 +154,7 @@ class DistRunner:
                          if c != self.schedule.chunks - 1 and (layers := self.layers_of[c])])
         if expert_parallel is not None:
             self.exchange = expert_parallel.apply(self.local_layers)
+            self.exchange.in_flight = while_in_flight
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
 

@@ -19,6 +19,7 @@ from schedules.plan_steps import GROUP_STEP, SEND, PlanSteps
 from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.microbatch import to_device
 from pipeline.runtime.loss_carrier import LossCarrier
+from pipeline.runtime.paired import run_pair
 from pipeline.transports.base import Payload, Transport
 
 
@@ -117,8 +118,9 @@ def _stage_view(comm: CommPlan, stage: int) -> CommPlan:
     that what a rank keeps does not grow with the stages."""
     schedule, empty = comm.schedule, StageOrder.of(())
     orders = tuple(schedule.order[s] if s == stage else empty for s in range(schedule.stages))
+    pairs = tuple(schedule.pairs[s] if s == stage else () for s in range(schedule.stages))
     view = Schedule(schedule.stages, schedule.microbatches, orders, schedule.placement,
-                    schedule.name, schedule.forward_only)
+                    schedule.name, schedule.forward_only, pairs)
     return CommPlan(view, tuple(comm.stages[s] if s == stage else ()
                                 for s in range(schedule.stages)), comm.strategy)
 
@@ -233,13 +235,21 @@ def run_stage(
         run.post = _timed(transport.post, meter, "post")
     steps = plan.steps
     kinds, slots, codes = steps.kinds, steps.slots, steps.actions.ops
+    pairs = () if infer else frozenset(plan.comm.schedule.pairs[plan.stage])
+    paired = False
     for at in range(len(kinds)):
         slot = slots[at]
         if kinds[at] == GROUP_STEP:
             _post(run, steps.group(slot))
             continue
+        if paired:  # the backward of the pair just run
+            paired = False
+            continue
         code = codes[slot]
-        if code == CODE_F:
+        if slot in pairs:
+            _pair(run, slot, codes[slot + 1])
+            paired = True
+        elif code == CODE_F:
             _forward(run, slot)
         elif code == CODE_W:
             _weight(run, slot)
@@ -314,7 +324,50 @@ def _post(run: _StageRun, group: Group) -> None:
     run.post(group, {op.key: outgoing.pop(op.key) for op in group.ops if op.kind == "send"})
 
 
+def _pair(run: _StageRun, slot: int, backward_code: int) -> None:
+    """The forward at ``slot`` and the backward after it as one overlapped pair
+    (``pipeline.runtime.paired``): both inputs fetched first, both results delivered after.
+    Their events split the pair's interval by the time each computed, forward first."""
+    forward = _forward_call(run, slot)
+    backward = _backward_call(run, slot + 1, backward_code)
+    start = run.clock()
+    forward_done, backward_done, forward_time = run_pair(forward, backward)
+    end = run.clock()
+    actions = run.plan.steps.actions
+    middle = min(end, start + forward_time)
+    run.events.append(Event(run.plan.stage, actions[slot], start, middle))
+    run.events.append(Event(run.plan.stage, actions[slot + 1], middle, end))
+    forward_done()
+    backward_done()
+
+
 def _forward(run: _StageRun, slot: int) -> None:
+    actions = run.plan.steps.actions
+    if run.infer:
+        microbatch, index = actions.microbatches[slot], actions.chunks[slot]
+        chunk = run.chunks[index]
+        if run.plan.source_ops[slot] == NO_SOURCE:
+            inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
+        else:
+            inputs = _fetch(run, slot, microbatch)
+        start = run.clock()
+        produced = chunk.infer(microbatch, inputs)
+        run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
+        if chunk.spec.is_last:
+            run.result.outputs[microbatch] = produced
+        else:
+            _deliver(run, slot, CODE_F, microbatch, index, produced)
+        return
+    compute = _forward_call(run, slot)
+    start = run.clock()
+    deliver = compute()
+    run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
+    deliver()
+
+
+def _forward_call(run: _StageRun, slot: int) -> Callable[[], Callable[[], None]]:
+    """A training forward with its input fetched now: a call that computes it and returns
+    the call that delivers its result."""
     actions = run.plan.steps.actions
     microbatch, index = actions.microbatches[slot], actions.chunks[slot]
     chunk = run.chunks[index]
@@ -323,29 +376,34 @@ def _forward(run: _StageRun, slot: int) -> None:
         inputs = run.step_inputs.inputs[microbatch]  # type: ignore[index]
     else:
         inputs = _fetch(run, slot, microbatch)
-    if run.infer:
-        start = run.clock()
-        produced = chunk.infer(microbatch, inputs)
-        run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
-        if is_last:
-            run.result.outputs[microbatch] = produced
-        else:
-            _deliver(run, slot, CODE_F, microbatch, index, produced)
-        return
     target = run.step_inputs.targets[microbatch] if is_last else None  # type: ignore[index]
     weight = run.step_inputs.weights[microbatch]
-    start = run.clock()
-    produced = chunk.forward(microbatch, inputs, target, weight)
-    run.events.append(Event(run.plan.stage, actions[slot], start, run.clock()))
-    if is_last:
-        run.result.losses[microbatch] = produced
-        if run.carrier is not None:
-            run.carrier.add(produced)
-    else:
-        _deliver(run, slot, CODE_F, microbatch, index, produced)
+
+    def compute() -> Callable[[], None]:
+        produced = chunk.forward(microbatch, inputs, target, weight)
+
+        def deliver() -> None:
+            if is_last:
+                run.result.losses[microbatch] = produced
+                if run.carrier is not None:
+                    run.carrier.add(produced)
+            else:
+                _deliver(run, slot, CODE_F, microbatch, index, produced)
+        return deliver
+    return compute
 
 
 def _backward(run: _StageRun, slot: int, code: int) -> None:
+    compute = _backward_call(run, slot, code)
+    start = run.clock()
+    deliver = compute()
+    run.events.append(Event(run.plan.stage, run.plan.steps.actions[slot], start, run.clock()))
+    deliver()
+
+
+def _backward_call(run: _StageRun, slot: int, code: int) -> Callable[[], Callable[[], None]]:
+    """A backward (``B`` or ``I``) with its gradients fetched now: a call that computes it
+    and returns the call that delivers its result."""
     plan = run.plan
     actions = plan.steps.actions
     microbatch, index = actions.microbatches[slot], actions.chunks[slot]
@@ -355,16 +413,20 @@ def _backward(run: _StageRun, slot: int, code: int) -> None:
         grads = _fetch(run, slot, microbatch)
         if not plan.source_here[slot] and run.carrier is not None:
             grads = run.carrier.detach(grads)
-    start = run.clock()
-    if code == CODE_B:
-        produced = chunk.backward(microbatch, grads)
-    else:
-        produced = chunk.backward_input(microbatch, grads)
-    run.events.append(Event(plan.stage, actions[slot], start, run.clock()))
-    if not chunk.spec.is_first:
-        _deliver(run, slot, code, microbatch, index, produced)
-    elif any(grad is not None for grad in produced):
-        run.result.input_grads[microbatch] = produced
+
+    def compute() -> Callable[[], None]:
+        if code == CODE_B:
+            produced = chunk.backward(microbatch, grads)
+        else:
+            produced = chunk.backward_input(microbatch, grads)
+
+        def deliver() -> None:
+            if not chunk.spec.is_first:
+                _deliver(run, slot, code, microbatch, index, produced)
+            elif any(grad is not None for grad in produced):
+                run.result.input_grads[microbatch] = produced
+        return deliver
+    return compute
 
 
 def _weight(run: _StageRun, slot: int) -> None:

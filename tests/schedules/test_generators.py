@@ -92,7 +92,7 @@ def test_every_action_once_on_the_stage_holding_its_chunk(name):
     """A forward and a backward (B, or I and W where the backward is split) of each
     micro-batch on each chunk, nothing else, on the stage the placement names."""
     info = schedule_info(name)
-    backwards = ((Op.I, Op.W), (Op.B,)) if name == "dualpipe-v" else (
+    backwards = ((Op.I, Op.W), (Op.B,)) if name.startswith("dualpipe-v") else (
         ((Op.I, Op.W),) if info.split_backward else ((Op.B,),))
     for stages, microbatches, options in _cases(name):
         schedule = info.generator(stages, microbatches, **options)

@@ -148,8 +148,10 @@ def ep_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
         loss_expected, grads_expected = reference(copy.deepcopy(base), whole, target, kind)
         model = copy.deepcopy(base)
         loss_fn = SummedLoss(hand_loss if kind.startswith("hand") else lm_loss, token_count)
-        chunks = 4 if schedule == "dualpipe-v" else 2  # it needs 2 x stages micro-batches
-        with Pipe(model, chunks=chunks, schedule=schedule, checkpoint=mode, sample=mine_batch,
+        chunks = 4 if schedule.startswith("dualpipe-v") else 2  # it needs 2 x stages micro-batches
+        name, _, overlap = schedule.partition("+")  # "dualpipe-v+overlap": its F&B pairs
+        with Pipe(model, chunks=chunks, schedule=name, checkpoint=mode, sample=mine_batch,
+                  schedule_options={"overlap": True} if overlap else None,
                   distributed=Distributed.from_mesh(mesh, expert_parallel=plan_of(kind)),
                   loss_fn=loss_fn) as pipe:
             loss = pipe.step(mine_batch, target[rows])

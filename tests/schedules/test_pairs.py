@@ -1,0 +1,75 @@
+"""Overlapped forward-and-backward pairs as data: DualPipeV's with ``overlap``, their text,
+their checks, and a comm plan that posts nothing inside a pair and still passes the proof."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from schedules import ScheduleError, comm_plan, get_schedule, validate, validate_comm
+from schedules.action import Op, Schedule
+from schedules.plan_steps import PlanSteps
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 2), (2, 4), (2, 7), (3, 6), (4, 11)])
+def test_dualpipe_v_pairs_its_steady_state_and_keeps_its_order(stages, microbatches) -> None:
+    plain = get_schedule("dualpipe-v", stages, microbatches)
+    paired = get_schedule("dualpipe-v", stages, microbatches, overlap=True)
+    assert paired.order == plain.order and plain.pairs == ((),) * stages
+    for stage, (actions, pairs) in enumerate(zip(paired.order, paired.pairs)):
+        # phase 4: two pairs a round (M - 2P + s + 1 rounds); phase 5: one (P - 1 - s)
+        assert len(pairs) == 2 * (microbatches - 2 * stages + stage + 1) + stages - 1 - stage
+        for start in pairs:
+            first, second = actions[start], actions[start + 1]
+            assert first.op is Op.F and second.op is Op.B and first.chunk != second.chunk
+    validate(paired)
+    assert Schedule.parse(str(paired), "dualpipe-v") == paired != plain
+
+
+def test_a_pair_reads_and_prints_as_f_and_b_joined() -> None:
+    text = "stage 0: F0 F1 F0@c1 F2&B0@c1 B0 F1@c1&B1 F2@c1 B1@c1 B2@c1 B2"
+    # (not a runnable timetable: read for its form)
+    schedule = Schedule.parse(text)
+    assert schedule.pairs == ((3, 6),)
+    assert str(schedule) == text
+
+
+@pytest.mark.parametrize(("pairs", "message"), [
+    (((0,),), "a pair is a forward and then a backward (B or I), got F0&F1 at position 0"),
+    (((3,),), "a pair starts at position 3, expected 0..2"),
+    (((1, 2),), "the pairs at 1 and 2 share an action"),
+    (((), ()), "one tuple of positions per stage: expected 1, got 2"),
+])
+def test_a_pair_that_is_not_a_forward_then_a_backward_is_refused(pairs, message) -> None:
+    order = Schedule.parse("stage 0: F0 F1 B0 B1").order
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        Schedule(1, 2, order, pairs=pairs)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (2, 9), (3, 6), (4, 8), (4, 13)])
+@pytest.mark.parametrize("strategy", ["overlap", "ordered"])
+def test_the_comm_plan_posts_nothing_inside_a_pair_and_is_proven(stages, microbatches,
+                                                                  strategy) -> None:
+    schedule = get_schedule("dualpipe-v", stages, microbatches, overlap=True)
+    plan = comm_plan(schedule, strategy)
+    validate_comm(plan)
+    for stage, steps in enumerate(plan.stages):
+        assert isinstance(steps, PlanSteps)
+        for start in schedule.pairs[stage]:  # the backward right after its forward
+            assert _action_step(steps, start + 1) == _action_step(steps, start) + 1
+    # the plain timetable's plan does post inside them: the move is real
+    plain = comm_plan(get_schedule("dualpipe-v", stages, microbatches), strategy)
+    assert any(_action_step(plain.stages[s], start + 1) != _action_step(plain.stages[s], start) + 1
+               for s in range(stages) for start in schedule.pairs[s])
+
+
+def _action_step(steps: PlanSteps, action: int) -> int:
+    """The step index at which action ``action`` of the stage runs."""
+    seen = -1
+    for at, step in enumerate(steps):
+        if not hasattr(step, "ops"):
+            seen += 1
+            if seen == action:
+                return at
+    raise AssertionError(f"no action {action}")
