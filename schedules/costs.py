@@ -121,6 +121,10 @@ class Costs:
             to the end of its ``W`` (the saved tensors the weight gradients read and
             the gradients ``I`` captured for them; these can make it more than
             ``activation_bytes``); None: all of ``activation_bytes``.
+        exchange: of a chunk's forward, the time it waits on expert all-to-alls (part of
+            ``forward``, as its backward, ``B`` or ``I``, waits as long on the reversed
+            exchanges): what an overlapped pair (``schedules.pairs``) can hide under the
+            other action's computation. 0: no exchange.
     """
 
     forward: Value = 1.0
@@ -135,10 +139,12 @@ class Costs:
     input_bytes: Value = 0.0
     fixed_bytes: Value = 0.0
     weight_bytes: Value | None = None
+    exchange: Value = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "input_grad", "weight_grad",
-                     "activation_bytes", "input_bytes", "fixed_bytes", "weight_bytes"):
+                     "activation_bytes", "input_bytes", "fixed_bytes", "weight_bytes",
+                     "exchange"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, checked_value(name, value))
@@ -214,6 +220,8 @@ class ResolvedCosts:
         fixed_bytes: per stage, the sum over its chunks.
         weight_bytes: per chunk, what stays from ``I`` to ``W`` (None with no memory
             prediction); ``activation_bytes`` where the costs gave none.
+        exchange: per chunk, the expert all-to-all time within its forward (and as much
+            within its backward), unscaled.
     """
 
     compute: tuple[dict[Op, float], ...]
@@ -224,6 +232,7 @@ class ResolvedCosts:
     input_bytes: tuple[float, ...]
     fixed_bytes: tuple[float, ...]
     weight_bytes: tuple[float, ...] | None = None
+    exchange: tuple[float, ...] = ()
 
     def duration(self, op: Op, microbatch: int, chunk: int) -> float:
         """The time of one action, recomputation and micro-batch scale included."""
@@ -280,6 +289,7 @@ def _resolve(costs: Costs, schedule: Schedule) -> ResolvedCosts:
         input_bytes=payload,
         fixed_bytes=tuple(sum(fixed_chunk[c] for c in owned) for owned in schedule.chunks_of_stage),
         weight_bytes=kept_for_w,
+        exchange=per_chunk("exchange", costs.exchange),
     )
 
 

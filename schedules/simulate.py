@@ -13,6 +13,7 @@ from schedules.cost_values import checked_value
 from schedules.costs import Comm, Costs, ResolvedCosts
 from schedules.events import StageColumns
 from schedules.flat import Flat, flatten
+from schedules.simulate_pairs import replay_paired
 from schedules.timeline import MemoryTrace, Timeline
 from schedules.validate import feasible_runs
 
@@ -121,6 +122,8 @@ def _replay(
     per action but the start it stores.
     """
     flat = flatten(schedule)
+    if any(schedule.pairs):
+        return replay_paired(schedule, table, flat, _action_costs(schedule, table, flat))
     ends = [0.0] * flat.size  # by key
     positions = [0] * schedule.stages
     stage_free = [0.0] * schedule.stages

@@ -77,6 +77,8 @@ class ExchangeCounts:
     forward_bytes: int = 0
     backward_bytes: int = 0
     received_rows: int = 0  # (token, pick) rows this rank's experts computed
+    waited: float = 0.0  # seconds the token rows' all-to-alls were waited for, both ways
+    overlapped: int = 0  # of them, those the other action of an overlapped pair covered
 
 
 @dataclass(eq=False)
@@ -94,7 +96,8 @@ class Exchange:
     declared_link: Any = None
     # Called right after a token rows' all-to-all is issued, before it is waited for: the
     # runtime's turn-taking within an overlapped pair (``pipeline.runtime.paired``).
-    in_flight: Callable[[], None] | None = None
+    # Returns whether the other action of the pair computed meanwhile.
+    in_flight: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         self.size = dist.get_world_size(self.group)
@@ -144,8 +147,9 @@ class Exchange:
         issued = time.perf_counter()
         work = dist.all_to_all_single(output, sent.contiguous(), output_splits, input_splits,
                                       group=self.group, async_op=True)
-        if rows and self.in_flight is not None:
-            self.in_flight()
+        if rows and self.in_flight is not None and self.in_flight():
+            self.counts.overlapped += 1
+        waiting = time.perf_counter()
         try:
             assert work is not None
             work.wait(None if self.timeout is None else timedelta(seconds=self.timeout))
@@ -153,6 +157,8 @@ class Exchange:
                 link, nbytes = self.declared_link, sent.numel() * sent.element_size()
                 cost = (self.size - 1) * (link.latency + nbytes / self.size / link.bandwidth)
                 time.sleep(max(0.0, issued + cost - time.perf_counter()))
+            if rows:
+                self.counts.waited += time.perf_counter() - waiting
         except RuntimeError as error:
             raise RuntimeError(
                 f"an expert-parallel all-to-all ({what}, {'backward' if backward else 'forward'})"

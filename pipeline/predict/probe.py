@@ -65,6 +65,9 @@ class ChunkCosts:
         input_bytes: bytes of the chunk's input (a hop's payload, and what a
             recomputed micro-batch keeps).
         output_bytes: bytes of what the chunk sends on (0 for the last chunk).
+        exchange: seconds of its forward spent waiting on expert all-to-alls
+            (``units.ep_dispatch.Exchange``), its backward as long: what an overlapped
+            pair can hide (``Costs.exchange``).
     """
 
     chunk: int
@@ -79,6 +82,7 @@ class ChunkCosts:
     input_bytes: int
     output_bytes: int
     weight_bytes: int = 0
+    exchange: float = 0.0
 
 
 def payload_bytes(payload: Any) -> int:

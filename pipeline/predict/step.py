@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -246,6 +246,7 @@ def build_costs(
         input_bytes=[float(measured[c].input_bytes) for c in range(schedule.chunks)],
         fixed_bytes=fixed_per_chunk,
         weight_bytes=[float(measured[c].weight_bytes) for c in range(schedule.chunks)],
+        exchange=[measured[c].exchange for c in range(schedule.chunks)],
     )
 
 
@@ -295,6 +296,9 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
                 source = to_device(source, chunk.device)
                 cost, carried = probe_chunk(chunk, source, target, schedule.microbatches,
                                             split_backward, recompute)
+                if runner.exchange is not None:
+                    cost = replace(cost, exchange=_exchange_wait(runner.exchange, chunk,
+                                                                 largest, source))
                 measured[c] = cost
                 work[c] = (chunk, source, target)
             except Exception as error:  # shared below, so that no rank waits in vain
@@ -305,6 +309,14 @@ def _measure_chunks(runner: Runner, inputs: list[Any] | None, targets: list[Any]
             carried, failure = _pass_on(carried, failure, schedule.placement[c], c in chunks,
                                         ranks, device)
     return measured, failure, work
+
+
+def _exchange_wait(exchange: Any, chunk: ChunkRunner, microbatch: int, source: Any) -> float:
+    """Seconds one forward of ``chunk`` waits on its expert all-to-alls when nothing covers
+    them (a forward without a graph; every rank of the ``ep`` group runs it alike)."""
+    before = exchange.counts.waited
+    chunk.infer(microbatch, source)
+    return float(exchange.counts.waited - before)
 
 
 def _contention(runner: Runner, work: dict[int, ChunkWork], failure: str | None,

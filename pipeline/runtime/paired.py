@@ -102,16 +102,19 @@ class Turns:
         self._thread.join()
 
 
-def while_in_flight() -> None:
+def while_in_flight() -> bool:
     """An exchange has issued an all-to-all and is about to wait for it: the other side of
-    a pair, if one runs, takes its turn now. Nothing happens outside a pair."""
+    a pair, if one runs and has not ended, takes its turn now; whether it did. Nothing
+    happens outside a pair."""
     turns = getattr(_here, "turns", None)
     if turns is not None:
         turns.give_back()
-        return
+        return True
     pair = getattr(_here, "pair", None)
-    if pair is not None:
+    if pair is not None and not pair.done:
         pair.give()
+        return True
+    return False
 
 
 def run_pair(forward: Callable[[], Any], backward: Callable[[], Any]

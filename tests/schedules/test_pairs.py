@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from schedules import ScheduleError, comm_plan, get_schedule, validate, validate_comm
+from schedules import (Costs, ScheduleError, comm_plan, get_schedule, simulate, validate,
+                       validate_comm)
 from schedules.action import Op, Schedule
 from schedules.plan_steps import PlanSteps
 
@@ -73,3 +74,40 @@ def _action_step(steps: PlanSteps, action: int) -> int:
             if seen == action:
                 return at
     raise AssertionError(f"no action {action}")
+
+
+@pytest.mark.parametrize(("exchange", "events", "makespan"), [
+    # F 4 and B 8, each waiting `exchange` on all-to-alls; F1&B0 a pair
+    (0.0, [(0, 4), (4, 8), (8, 16), (16, 24)], 24.0),  # nothing to hide: one after the other
+    (1.0, [(0, 4), (4, 7), (7, 14), (14, 22)], 22.0),  # both exchanges hidden
+    (3.0, [(0, 4), (4, 5), (5, 12), (12, 20)], 20.0),  # B's 3 under F's 1 of compute: 2 left
+])
+def test_a_pair_hides_each_ones_exchange_under_the_others_compute(exchange, events,
+                                                                   makespan) -> None:
+    order = Schedule.parse("stage 0: F0 F1 B0 B1").order
+    paired = Schedule(1, 2, order, pairs=((1,),))
+    timeline = simulate(paired, costs=Costs(forward=4, backward=8, exchange=exchange))
+    assert [(event.start, event.end) for event in timeline.events] == events
+    assert timeline.makespan == makespan
+    # without the pair the exchanges are waited in full
+    assert simulate(Schedule(1, 2, order), costs=Costs(forward=4, backward=8,
+                                                       exchange=exchange)).makespan == 24.0
+
+
+def test_dualpipe_v_pairs_hide_what_the_plain_timetable_waits() -> None:
+    costs = Costs.from_stages(forward=1.0, backward=2.0, exchange=0.3)
+    plain = simulate(get_schedule("dualpipe-v", 4, 16), costs=costs).makespan
+    paired = simulate(get_schedule("dualpipe-v", 4, 16, overlap=True), costs=costs).makespan
+    assert paired < 0.9 * plain
+    nothing = Costs.from_stages(forward=1.0, backward=2.0)  # a pair also waits for both inputs
+    assert simulate(get_schedule("dualpipe-v", 4, 16, overlap=True), costs=nothing).makespan \
+        >= simulate(get_schedule("dualpipe-v", 4, 16), costs=nothing).makespan
+
+
+def test_pairs_that_deadlock_are_refused_by_simulate_and_by_the_proof() -> None:
+    order = Schedule.parse("stage 0: F0 B0\nstage 1: F0 B0").order
+    paired = Schedule(2, 1, order, pairs=((0,), ()))  # B0 needs what F0 sends on first
+    with pytest.raises(ScheduleError, match="the overlapped pairs deadlock the timetable"):
+        simulate(paired)
+    with pytest.raises(ScheduleError, match="deadlock under NCCL's rules"):
+        validate_comm(comm_plan(paired))

@@ -126,7 +126,9 @@ def ep_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
              cases: list[tuple[str, str, str]]) -> list[tuple[Any, ...]]:
     """Per (model, schedule, checkpoint): the loss's relative error, the worst gradient
     error of what this rank holds (whole, by the model's names) relative to the largest
-    gradient, how many it compared, and the rows its experts received."""
+    gradient, how many it compared, the rows its experts received, and how many of its
+    token all-to-alls the other action of an overlapped pair covered (``NAME+overlap``
+    runs NAME with its pairs)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -165,8 +167,9 @@ def ep_exact(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ..
                 grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
                 errors.append((grad - grads_expected[name]).abs().max().item() / scale)
             received = pipe.expert_parallel_counts.received_rows
+            overlapped = pipe.expert_parallel_counts.overlapped
         results.append((kind, schedule, mode, abs(loss.item() - loss_expected) / abs(loss_expected),
-                        max(errors), len(errors), received))
+                        max(errors), len(errors), received, overlapped))
     return results
 
 

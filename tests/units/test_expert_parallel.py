@@ -32,7 +32,10 @@ CASES = [("mixtral", "1f1b", "never"), ("mixtral", "dualpipe-v", "never"),
          # the rest of the registered schedules and the default recomputation
          ("hand", "gpipe", "never"), ("hand", "zb-h2", "never"), ("hand", "zb", "never"),
          ("hand", "v-half", "always"), ("hand", "v-min", "never"),
-         ("hand", "dualpipe-v", "never"), ("hand", "1f1b", "except_last")]
+         ("hand", "dualpipe-v", "never"), ("hand", "1f1b", "except_last"),
+         # DualPipeV's F&B pairs, each one's exchanges in the other's turns
+         ("mixtral", "dualpipe-v+overlap", "never"), ("hand", "dualpipe-v+overlap", "always"),
+         ("hand-one-side", "dualpipe-v+overlap", "never")]
 FLOAT32 = (1e-5, 1e-4)  # the loss's relative error; a gradient's, relative to the largest
 FLOAT64 = 1e-10
 
@@ -44,14 +47,21 @@ def test_moe_models_with_experts_spread_over_ep_are_exact(tmp_path) -> None:
     assert {schedule for _, schedule, _ in CASES} >= set(schedule_names())  # every one
     for rank, (rows, state) in enumerate(by_rank):
         assert [row[:3] for row in rows] == CASES
-        for kind, schedule, mode, loss_error, grad_error, compared, received in rows:
+        for kind, schedule, mode, loss_error, grad_error, compared, received, overlapped \
+                in rows:
             case = f"rank {rank}: {kind}, {schedule}, checkpoint={mode}"
             loss_bar, grad_bar = (FLOAT64, FLOAT64) if kind.startswith("hand") else FLOAT32
             assert loss_error < loss_bar, case
             assert grad_error < grad_bar, case
             assert compared > 0, case
             if kind == "hand-one-side":  # every token to the first ep rank's experts
-                assert (received > 0) == (rank % 2 == 0), case
+                # (under DualPipeV's V stage 0 holds no MoE layer)
+                holds = rank >= 2 or not schedule.startswith("dualpipe-v")
+                assert (received > 0) == (rank % 2 == 0 and holds), case
+            if not schedule.endswith("+overlap"):
+                assert overlapped == 0, case
+            elif rank >= 2:  # stage 1 holds every model's MoE layers under the V
+                assert overlapped > 0, case
         _check_state(rank, state)
 
 
@@ -62,7 +72,8 @@ def test_replicas_beside_ep_average_all_but_the_experts_exactly() -> None:
     cases = [("hand", "1f1b", "never"), ("hand-one-side", "zb-h1", "never")]
     for rank, rows in enumerate(run_ranks(ep_exact, 8, (2, 2, 2), ("pp", "dp", "ep"), cases,
                                           timeout=600)):
-        for kind, schedule, mode, loss_error, grad_error, compared, received in rows:
+        for kind, schedule, mode, loss_error, grad_error, compared, received, overlapped \
+                in rows:
             assert loss_error < FLOAT64 and grad_error < FLOAT64, (rank, kind)
             assert compared > 0
             if kind == "hand-one-side":
