@@ -50,62 +50,71 @@ def plan_is_sound(plan: CommPlan) -> bool:
                           or max(ops.chunks) >= schedule.chunks or max(ops.kinds) > 1
                           or max(ops.producer_ops) > CODE_W):
             return False
-    return _messages_are_right(schedule, stages) and not _stalls(stages)
+    queues = _queues(schedule, stages)
+    return queues is not None and not _stalls(stages, queues)
 
 
-def _messages_are_right(schedule: Schedule, stages: list[PlanSteps]) -> bool:
-    """Each message sent once after its producer by its source, received once before its
-    first use by its destination, and per channel and pair sends and receives in one order."""
+def _queues(schedule: Schedule, stages: list[PlanSteps]) -> list[array[int]] | None:
+    """Per stage and op, its queue (``2 * pair + kind``, a pair being a channel, a source and
+    a destination), if each message is sent once after its producer by its source, received
+    once before its first use by its destination, and per pair sent and received in one
+    order; else None."""
     flat = flatten(schedule)
     chunks, placement, count_ = schedule.chunks, schedule.placement, schedule.stages
     where = array("q", [-1]) * flat.size  # per key, its index on its stage, or -1: absent
     for keys in flat.keys:
         for index, key in enumerate(keys):
             where[key] = index
-    # By op code and chunk: the stage of the one consumer on another chunk, or -1.
-    after = [placement[chunk + 1] for chunk in range(chunks - 1)] + [-1]
-    before = [-1] + [placement[chunk - 1] for chunk in range(1, chunks)]
-    consumer_stage = {CODE_F: after, CODE_B: before, CODE_I: before, CODE_W: [-1] * chunks}
-    consumers = [consumer_stage[code] for code in range(4)]
-    seen = bytearray(2 * flat.size)  # per key and kind: posted already
-    sends: list[list[int]] = [[] for _ in range(MAX_CHANNELS * count_ * count_)]
-    receives: list[list[int]] = [[] for _ in range(MAX_CHANNELS * count_ * count_)]
-    posted = 0
+    # By key class (``key % span``: chunk and op code), the stage holding the producer and the
+    # stage of its one consumer on another chunk (-1: none; a W's result never leaves).
+    span = 4 * chunks
+    producer = [placement[cls >> 2] for cls in range(span)]
+    consumer = [-1] * span
+    for chunk in range(chunks):
+        if chunk + 1 < chunks:
+            consumer[4 * chunk + CODE_F] = placement[chunk + 1]
+        if chunk:
+            consumer[4 * chunk + CODE_B] = consumer[4 * chunk + CODE_I] = placement[chunk - 1]
+    block = 2 * count_ * count_  # queues per channel
+    keys_in: list[list[int]] = [[] for _ in range(MAX_CHANNELS * block)]
+    posted, queues = 0, []
     for stage, steps in enumerate(stages):
         ops = steps.ops
+        # By key class, the peer a send or a receive of stage must name (-2: none may).
+        send_to = [c if p == stage else -2 for p, c in zip(producer, consumer)]
+        receive_from = [p if c == stage else -2 for p, c in zip(producer, consumer)]
+        sends = [(stage * count_ + peer) * 2 for peer in range(count_)]  # queue, channel 0
+        receives = [(peer * count_ + stage) * 2 + 1 for peer in range(count_)]
         action_steps = array("q", compress(count(), steps.kinds.translate(_ACTIONS)))
         posted += len(ops.kinds)
+        queue_of = array("q")
+        queues.append(queue_of)
         for kind, peer, channel, code, microbatch, chunk, step in zip(
                 ops.kinds, ops.peers, ops.channels, ops.producer_ops, ops.microbatches,
                 ops.chunks, _op_steps(steps)):
             key = (microbatch * chunks + chunk) * 4 + code
             at = where[key]
-            if at < 0 or seen[2 * key + kind]:
-                return False  # no such producer, or posted twice
-            seen[2 * key + kind] = 1
             if kind == SEND:
-                if (placement[chunk] != stage or consumers[code][chunk] != peer
-                        or step < action_steps[at]):
-                    return False
-                sends[(channel * count_ + stage) * count_ + peer].append(key)
-                continue
-            if placement[chunk] != peer or consumers[code][chunk] != stage:
-                return False
-            if code == CODE_F:
-                used = where[key + 4]  # the next chunk's forward
-            else:  # the previous chunk's backward, B or I (one of them exists)
-                base = key - code - 4
-                used = where[base + CODE_B]
-                if used < 0:
-                    used = where[base + CODE_I]
-            if step > action_steps[used]:
-                return False
-            receives[(channel * count_ + peer) * count_ + stage].append(key)
+                if at < 0 or send_to[key % span] != peer or step < action_steps[at]:
+                    return None  # no such producer, not ours to send there, or not yet made
+                queue = channel * block + sends[peer]
+            else:
+                # Its first use: the next chunk's forward, or the previous chunk's backward
+                # (B or I, whichever exists).
+                used = where[key + 4] if code == CODE_F else max(
+                    where[key - code - 4 + CODE_B], where[key - code - 4 + CODE_I])
+                if at < 0 or receive_from[key % span] != peer or step > action_steps[used]:
+                    return None
+                queue = channel * block + receives[peer]
+            keys_in[queue].append(key)
+            queue_of.append(queue)
     crossings = sum(1 for chunk in range(chunks - 1) if placement[chunk] != placement[chunk + 1])
     messages = schedule.microbatches * crossings * (1 if schedule.forward_only else 2)
-    # Each op a distinct message: as many sends and receives as messages is every one, once.
-    return posted == 2 * messages and sends == receives and \
-        sum(map(len, sends)) == messages
+    # Per pair, the receives carry the sends' keys in the sends' order; as many distinct
+    # messages sent as there are is every one, once, each received once.
+    sent = set(chain.from_iterable(keys_in[::2]))
+    right = posted == 2 * len(sent) == 2 * messages and keys_in[::2] == keys_in[1::2]
+    return queues if right else None
 
 
 def _op_steps(steps: PlanSteps) -> Iterator[int]:
@@ -115,42 +124,38 @@ def _op_steps(steps: PlanSteps) -> Iterator[int]:
     return chain.from_iterable(map(repeat, compress(count(), steps.kinds), sizes))
 
 
-def _stalls(stages: list[PlanSteps]) -> bool:
-    """Whether the plan stalls under NCCL's rules (the replay of ``validate_comm``)."""
+def _stalls(stages: list[PlanSteps], queues: list[array[int]]) -> bool:
+    """Whether the plan stalls under NCCL's rules (the replay of ``validate_comm``), its ops
+    posted on ``queues`` (``_queues``); actions need nothing from other stages, so only the
+    groups are replayed."""
     count_ = len(stages)
-    index = [0] * count_  # the step each stage is at
-    group_of = [0] * count_  # the group it posts next
+    group_of = [0] * count_  # the group each stage posts next
     waiting = [0] * count_  # unmatched ops of the group a stage is in
     posted = [0] * (2 * MAX_CHANNELS * count_ * count_)
     ready = deque(range(count_))
     while ready:
         stage = ready.popleft()
-        steps = stages[stage]
-        kinds, ends = steps.kinds, steps.group_ends
-        peers, channels, op_kinds = steps.ops.peers, steps.ops.channels, steps.ops.kinds
-        at, group = index[stage], group_of[stage]
-        while True:
-            at = kinds.find(1, at)  # a group (actions need nothing from other stages)
-            if at < 0:
-                at = len(kinds)
-                break
-            at += 1
-            for op in range(ends[group - 1] if group else 0, ends[group]):
-                peer, kind = peers[op], op_kinds[op]
-                pair = (channels[op] * count_ + (stage if kind == SEND else peer)) * count_ + (
-                    peer if kind == SEND else stage)
-                mine, theirs = pair * 2 + kind, pair * 2 + 1 - kind
+        ends, peers, queue_of = stages[stage].group_ends, stages[stage].ops.peers, queues[stage]
+        first = group_of[stage]
+        start = ends[first - 1] if first else 0
+        for group in range(first, len(ends)):
+            end = ends[group]
+            for op in range(start, end):
+                mine = queue_of[op]
                 number = posted[mine]
                 posted[mine] = number + 1
-                if number < posted[theirs]:
+                if number < posted[mine ^ 1]:
                     # Its partner was posted first, so the peer is blocked in that group.
+                    peer = peers[op]
                     waiting[peer] -= 1
                     if waiting[peer] == 0:
                         ready.append(peer)
                 else:
                     waiting[stage] += 1
-            group += 1
+            start = end
             if waiting[stage]:
+                group_of[stage] = group + 1  # posted: it goes on from the next one
                 break
-        index[stage], group_of[stage] = at, group
+        else:
+            group_of[stage] = len(ends)
     return any(waiting)

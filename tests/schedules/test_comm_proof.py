@@ -104,3 +104,17 @@ def test_two_messages_in_swapped_order_on_one_side_are_refused():
     steps[first], steps[second] = steps[second], steps[first]
     swapped = _with(plan, 1, steps)
     assert not plan_is_sound(swapped)
+
+
+@pytest.mark.parametrize("strategy", ["naive", "paired", "overlap", "ordered"])
+def test_the_proof_finds_a_stall_where_the_replay_on_objects_does(strategy):
+    from schedules import schedule_names
+    from schedules.comm_validate import _replay_comm
+    for name in schedule_names():
+        for stages in (2, 3, 4):
+            try:
+                schedule = get_schedule(name, stages, 2 * stages)
+            except ValueError:
+                continue
+            plan = comm_plan(schedule, strategy)
+            assert plan_is_sound(plan) == (not _replay_comm(plan)), (name, stages, strategy)
