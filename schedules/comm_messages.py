@@ -92,6 +92,13 @@ class Moves:
         self.entries.append(2 * message + kind)
 
     @classmethod
+    def of_columns(cls, gaps: list[int], entries: list[int]) -> Moves:
+        """The moves with these gaps and entries, one each per op."""
+        moves = cls()
+        moves.gaps, moves.entries = array("q", gaps), array("q", entries)
+        return moves
+
+    @classmethod
     def of(cls, gaps: dict[int, list[tuple[int, int]]]) -> Moves:
         """The moves of ``gaps``: per gap, its ``(message, kind)`` ops in order."""
         moves = cls()

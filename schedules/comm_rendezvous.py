@@ -13,7 +13,6 @@ from collections import defaultdict
 
 from schedules.action import Schedule
 from schedules.comm_messages import Messages, Moves
-from schedules.plan_steps import RECEIVE, SEND
 
 _UNIT = (1.0, 2.0, 1.0, 1.0)  # simulate's default cost of F, B, I, W (by op code)
 
@@ -54,7 +53,9 @@ class Rendezvous:
         self.busy_until = [0.0] * stages
         self.pending: list[dict[int, list[int]]] = [defaultdict(list) for _ in range(stages)]
         self.senders: list[set[int]] = [set() for _ in range(stages)]
-        self.moves = [Moves() for _ in range(stages)]
+        # Each stage's moves as lists until the end (a list append is cheaper than an array's).
+        self.gaps: list[list[int]] = [[] for _ in range(stages)]
+        self.entries: list[list[int]] = [[] for _ in range(stages)]
 
     def run(self) -> list[Moves]:
         # Stages due at one instant wait in that instant's bucket, in the order they were
@@ -71,7 +72,7 @@ class Rendezvous:
         if not all(self.done):  # cannot happen for a validated schedule
             stuck = [stage for stage, done in enumerate(self.done) if not done]
             raise RuntimeError(f"comm_plan simulation stalled with stages {stuck} waiting")
-        return self.moves
+        return [Moves.of_columns(gaps, entries) for gaps, entries in zip(self.gaps, self.entries)]
 
     def _arrive(self, arrived: list[int]) -> set[int]:
         """Put ``arrived`` in their gaps, each with the result of the action it just ran to
@@ -89,31 +90,39 @@ class Rendezvous:
                     senders[destination].add(stage)
             in_gap[stage] = True
         touched = set(arrived)
-        moves, moved = self.moves, self.moved
+        gaps_of, entries_of, moved = self.gaps, self.entries, self.moved
         for stage in arrived:
             outgoing, incoming = pending[stage], senders[stage]
-            if not (incoming or outgoing):
-                continue
             # Moves from stage, then to it (a move changes no one's gap, so each peer can be
             # tested as it comes).
-            peers = (*outgoing, *incoming)
-            split = len(outgoing)
-            for index, peer in enumerate(peers):
-                if not in_gap[peer]:
-                    continue
-                source, destination = (stage, peer) if index < split else (peer, stage)
-                sent_at, received_at = position[source], position[destination]
-                sends, receives = moves[source], moves[destination]
-                sent_gaps, sent = sends.gaps, sends.entries
-                received_gaps, received = receives.gaps, receives.entries
-                for message in pending[source].pop(destination):
-                    sent_gaps.append(sent_at)
-                    sent.append(2 * message + SEND)
-                    received_gaps.append(received_at)
-                    received.append(2 * message + RECEIVE)
-                    moved[message] = 1
-                senders[destination].discard(source)
-                touched.add(peer)
+            if outgoing:
+                at, gaps, entries = position[stage], gaps_of[stage], entries_of[stage]
+                for peer in tuple(outgoing):
+                    if in_gap[peer]:
+                        peer_at, peer_gaps, peer_entries = position[peer], gaps_of[peer], \
+                            entries_of[peer]
+                        for message in outgoing.pop(peer):
+                            gaps.append(at)
+                            entries.append(2 * message)  # 2 * message + SEND
+                            peer_gaps.append(peer_at)
+                            peer_entries.append(2 * message + 1)  # 2 * message + RECEIVE
+                            moved[message] = 1
+                        senders[peer].discard(stage)
+                        touched.add(peer)
+            if incoming:
+                at, gaps, entries = position[stage], gaps_of[stage], entries_of[stage]
+                for peer in tuple(incoming):
+                    if in_gap[peer]:
+                        peer_at, peer_gaps, peer_entries = position[peer], gaps_of[peer], \
+                            entries_of[peer]
+                        for message in pending[peer].pop(stage):
+                            peer_gaps.append(peer_at)
+                            peer_entries.append(2 * message)  # 2 * message + SEND
+                            gaps.append(at)
+                            entries.append(2 * message + 1)  # 2 * message + RECEIVE
+                            moved[message] = 1
+                        incoming.discard(peer)
+                        touched.add(peer)
         return touched
 
     def _leave(self, touched: list[int], now: float, buckets: dict[float, list[int]],
