@@ -74,7 +74,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from itertools import chain, compress, count, islice, repeat
@@ -90,6 +90,7 @@ from schedules.comm_rendezvous import Rendezvous, default_durations
 from schedules.flat import flatten
 from schedules.plan_steps import (ACTION_STEP, GROUP_STEP, RECEIVE, SEND, Fields,
                                   PlanSteps)
+from schedules.simulate_pairs import paired_order
 from schedules.validate import feasible_order, validate
 
 Strategy = Literal["overlap", "ordered", "paired", "naive"]
@@ -239,7 +240,7 @@ def _plan(schedule: Schedule, stage: int, moves: Moves, messages: Messages,
     group per op unless ``together``); after the last action, the last gap's. Made when
     first read (``PlanSteps.later``): a rank reads only its own stage's. Nothing is
     posted inside an overlapped pair (``comm_pairs``)."""
-    moves = around_pairs(moves, schedule.pairs[stage])
+    moves = around_pairs(moves, schedule.pairs[stage], messages)
     make = partial(_steps, schedule.orders[stage], moves, messages, channel, together)
     return PlanSteps(*make()) if not moves.gaps and not schedule.orders[stage] \
         else PlanSteps.later(make)
@@ -282,7 +283,11 @@ def _ordered(schedule: Schedule, messages: Messages) -> list[PlanSteps]:
     """``"ordered"``: both ends post each message right after its producer in the replay order."""
     gaps: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(schedule.stages)]
     done = [0] * schedule.stages
-    for stage in feasible_order(schedule):
+    order: Iterable[int] = feasible_order(schedule)
+    if any(schedule.pairs):  # a pair's two actions next to each other in the one order
+        order = (stage for stage, span in paired_order(schedule, flatten(schedule))
+                 for _ in range(span))
+    for stage in order:
         done[stage] += 1
         message = messages.out[stage][done[stage] - 1]
         if message >= 0:

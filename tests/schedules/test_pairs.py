@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from schedules import (Costs, ScheduleError, comm_plan, get_schedule, simulate, validate,
+from schedules import (Costs, ScheduleError, comm_plan, get_schedule, one_f_one_b, simulate,
+                       validate,
                        validate_comm)
 from schedules.action import Op, Schedule
 from schedules.plan_steps import PlanSteps
@@ -111,3 +112,28 @@ def test_pairs_that_deadlock_are_refused_by_simulate_and_by_the_proof() -> None:
         simulate(paired)
     with pytest.raises(ScheduleError, match="deadlock under NCCL's rules"):
         validate_comm(comm_plan(paired))
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 1), (2, 1), (2, 4), (3, 7), (4, 12)])
+def test_combined_1f1b_pairs_every_steady_forward_with_the_backward_after_it(stages,
+                                                                             microbatches
+                                                                             ) -> None:
+    schedule = one_f_one_b(stages, microbatches, overlap=True)
+    for stage, (actions, pairs) in enumerate(zip(schedule.order, schedule.pairs)):
+        warmup = min(2 * (stages - stage) - 1, microbatches)  # see one_f_one_b
+        assert [a.op for a in actions[:warmup]] == [Op.F] * warmup
+        assert pairs == tuple(range(warmup, warmup + 2 * (microbatches - warmup), 2))
+        for start in pairs:
+            forward, backward = actions[start], actions[start + 1]
+            assert backward.microbatch == forward.microbatch - warmup
+    assert simulate(schedule).peak_activations == tuple(  # twice 1F1B's
+        float(min(2 * (stages - stage), microbatches)) for stage in range(stages))
+    for strategy in ("overlap", "ordered"):
+        validate_comm(comm_plan(schedule, strategy))
+    costs = Costs.from_stages(forward=1.0, backward=2.0, exchange=0.3)
+    plain = simulate(get_schedule("1f1b", stages, microbatches), costs=costs).makespan
+    hidden = simulate(schedule, costs=costs).makespan
+    assert hidden < plain if any(schedule.pairs) else hidden == plain
+    nothing = Costs.from_stages(forward=1.0, backward=2.0)  # 1F1B's pace without exchanges
+    assert simulate(schedule, costs=nothing).makespan == \
+        simulate(get_schedule("1f1b", stages, microbatches), costs=nothing).makespan
