@@ -67,34 +67,35 @@ def zero_bubble_v(stages: int, microbatches: int) -> Schedule:
 
 
 def _forward_input_order(stage: int, stages: int, microbatches: int) -> StageOrder:
-    """The forwards and input gradients of one stage, in the paper's phases."""
+    """The forwards and input gradients of one stage, in the paper's phases.
+
+    Each phase repeats a few steps (F or I, down or up chunk); the n-th step of a kind runs
+    micro-batch n. The phases are drawn for at least 2P-1 micro-batches, the missing ones
+    then left out.
+    """
     down, up = stage, 2 * stages - 1 - stage
     drawn = max(microbatches, 2 * stages - 1)
-    f_down, f_up, i_down, i_up = (CODE_F, down), (CODE_F, up), (CODE_I, down), (CODE_I, up)
-    counts = {f_down: 0, f_up: 0, i_down: 0, i_up: 0}
-    ops, numbers, chunks = bytearray(), array("q"), array("q")
+    steps = (
+        [_F_DOWN] * (2 * (stages - stage) - 1)  # warm-up: forwards down
+        + [_F_UP, _F_DOWN] * stage  # both
+        + [_F_UP, _I_UP] * (stages - stage)  # forward and input gradient on the up chunk
+        # steady state: one F and one I per chunk, until the forwards down run out
+        + [_F_DOWN, _I_DOWN, _F_UP, _I_UP] * (drawn - 2 * stages + stage + 1)
+        + [_I_DOWN, _F_UP, _I_UP] * (stages - stage - 1)
+        + [_I_DOWN, _I_UP] * stage  # cool-down
+        + [_I_DOWN] * (stages - stage)
+    )
+    codes, chunks = (CODE_F, CODE_F, CODE_I, CODE_I), (down, up, down, up)
+    counts = [0, 0, 0, 0]
+    ops, numbers, placed = bytearray(), array("q"), array("q")
+    for step in steps:
+        microbatch = counts[step]
+        counts[step] = microbatch + 1
+        if microbatch < microbatches:
+            ops.append(codes[step])
+            numbers.append(microbatch)
+            placed.append(chunks[step])
+    return StageOrder(bytes(ops), numbers, placed)
 
-    def run(*steps: tuple[int, int]) -> None:
-        for step in steps:
-            microbatch = counts[step]
-            counts[step] = microbatch + 1
-            if microbatch < microbatches:  # drawn for 2P-1, the missing ones left out
-                ops.append(step[0])
-                numbers.append(microbatch)
-                chunks.append(step[1])
 
-    for _ in range(2 * (stages - stage) - 1):
-        run(f_down)
-    for _ in range(stage):
-        run(f_up, f_down)
-    for _ in range(stages - stage):
-        run(f_up, i_up)
-    while counts[f_up] < drawn:
-        if counts[f_down] < drawn:
-            run(f_down)
-        run(i_down, f_up, i_up)
-    for _ in range(stage):
-        run(i_down, i_up)
-    while counts[i_down] < drawn:
-        run(i_down)
-    return StageOrder(bytes(ops), numbers, chunks)
+_F_DOWN, _F_UP, _I_DOWN, _I_UP = range(4)  # the steps of _forward_input_order
