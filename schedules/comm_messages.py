@@ -9,6 +9,7 @@ one message number per action, or -1.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from dataclasses import dataclass
 from functools import cached_property
@@ -67,7 +68,9 @@ class Messages:
         ops = OpArrays()
         entries = moves.entries.tolist()  # ints made once, not once per pass
         peers, channels, codes, microbatches, chunks = self._columns
-        ops.kinds = bytearray(map((1).__rand__, entries))  # entry & 1
+        low = moves.entries.tobytes()[:: 8] if sys.byteorder == "little" else \
+            moves.entries.tobytes()[7:: 8]
+        ops.kinds = bytearray(low.translate(_LOW_BIT))  # entry & 1, off the low bytes
         ops.peers = array("q", map(peers.__getitem__, entries))
         ops.channels = (array("q", map(channels.__getitem__, entries))
                         if channel is None else array("q", [channel]) * len(entries))
@@ -150,6 +153,7 @@ def find_messages(schedule: Schedule, flat: Flat) -> Messages:
                     out, needs, schedule.chunks)
 
 
+_LOW_BIT = bytes(byte & 1 for byte in range(256))
 _CHANNELS = (ACTIVATIONS, GRADIENTS, GRADIENTS, GRADIENTS)  # by op code: F's result, gradients
 
 

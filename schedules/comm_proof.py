@@ -61,7 +61,9 @@ def _queues(schedule: Schedule, stages: list[PlanSteps]) -> list[array[int]] | N
     order; else None."""
     flat = flatten(schedule)
     chunks, placement, count_ = schedule.chunks, schedule.placement, schedule.stages
-    where = array("q", [-1]) * flat.size  # per key, its index on its stage, or -1: absent
+    # Per key, its index on its stage, or -1: absent; four more -1s, so that a receive's
+    # consumer looked up past either end of the keys (a key no send has) reads -1.
+    where = array("q", [-1]) * (flat.size + 4)
     for keys in flat.keys:
         for index, key in enumerate(keys):
             where[key] = index
@@ -80,9 +82,8 @@ def _queues(schedule: Schedule, stages: list[PlanSteps]) -> list[array[int]] | N
     posted, queues = 0, []
     for stage, steps in enumerate(stages):
         ops = steps.ops
-        # By key class, the peer a send or a receive of stage must name (-2: none may).
+        # By key class, the peer a send of stage must name (-2: none may).
         send_to = [c if p == stage else -2 for p, c in zip(producer, consumer)]
-        receive_from = [p if c == stage else -2 for p, c in zip(producer, consumer)]
         sends = [(stage * count_ + peer) * 2 for peer in range(count_)]  # queue, channel 0
         receives = [(peer * count_ + stage) * 2 + 1 for peer in range(count_)]
         action_steps = array("q", compress(count(), steps.kinds.translate(_ACTIONS)))
@@ -93,17 +94,19 @@ def _queues(schedule: Schedule, stages: list[PlanSteps]) -> list[array[int]] | N
                 ops.kinds, ops.peers, ops.channels, ops.producer_ops, ops.microbatches,
                 ops.chunks, _op_steps(steps)):
             key = (microbatch * chunks + chunk) * 4 + code
-            at = where[key]
             if kind == SEND:
+                at = where[key]
                 if at < 0 or send_to[key % span] != peer or step < action_steps[at]:
                     return None  # no such producer, not ours to send there, or not yet made
                 queue = channel * block + sends[peer]
             else:
                 # Its first use: the next chunk's forward, or the previous chunk's backward
-                # (B or I, whichever exists).
+                # (B or I, whichever exists). Whether the message exists and comes from
+                # ``peer`` is the matching's to find: its send is checked, and the receive
+                # matches it only on the queue from the producer's stage to the consumer's.
                 used = where[key + 4] if code == CODE_F else max(
                     where[key - code - 4 + CODE_B], where[key - code - 4 + CODE_I])
-                if at < 0 or receive_from[key % span] != peer or step > action_steps[used]:
+                if step > action_steps[used]:
                     return None
                 queue = channel * block + receives[peer]
             keys_in[queue].append(key)
