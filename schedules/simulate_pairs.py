@@ -79,7 +79,7 @@ def replay_paired(schedule: Schedule, table: ResolvedCosts, flat: Flat,
     ends = [0.0] * flat.size
     starts = [[0.0] * len(order) for order in schedule.orders]
     finished = [[0.0] * len(order) for order in schedule.orders]
-    exchanges = [_exchange_times(schedule, table, stage) for stage in range(stages)]
+    exchanges = [exchange_times(schedule, table, stage) for stage in range(stages)]
     positions, free, busy = [0] * stages, [0.0] * stages, [0.0] * stages
     for stage, span in paired_order(schedule, flat):
         keys, first, second = flat.keys[stage], flat.first[stage], flat.second[stage]
@@ -121,7 +121,7 @@ def _pair_times(start: float, forward: float, backward: float, forward_exchange:
                                                               - forward_compute)
 
 
-def _exchange_times(schedule: Schedule, table: ResolvedCosts, stage: int) -> list[float]:
+def exchange_times(schedule: Schedule, table: ResolvedCosts, stage: int) -> list[float]:
     """Per action of ``stage``: its exchange time (a forward's, or a backward's, which also
     waits on its recomputed forward's; a W's is 0)."""
     if not table.exchange:

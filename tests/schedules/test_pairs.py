@@ -137,3 +137,32 @@ def test_combined_1f1b_pairs_every_steady_forward_with_the_backward_after_it(sta
     nothing = Costs.from_stages(forward=1.0, backward=2.0)  # 1F1B's pace without exchanges
     assert simulate(schedule, costs=nothing).makespan == \
         simulate(get_schedule("1f1b", stages, microbatches), costs=nothing).makespan
+
+
+def test_the_exchange_lanes_split_every_exchange_into_hidden_and_exposed(tmp_path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from schedules import plot_timeline
+    from schedules.plot_exchanges import draw_exchanges
+
+    costs = Costs.from_stages(forward=1.0, backward=2.0, exchange=0.4)
+    found = {}
+    for overlap in (False, True):
+        schedule = get_schedule("dualpipe-v", 3, 8, overlap=overlap)
+        timeline = simulate(schedule, costs=costs)
+        ax = plot_timeline(timeline)
+        found[overlap] = draw_exchanges(ax, timeline, schedule, costs)
+        ax.get_figure().savefig(tmp_path / f"lanes{overlap}.png")
+        plt.close(ax.get_figure())
+        assert (tmp_path / f"lanes{overlap}.png").read_bytes().startswith(b"\x89PNG")
+    # every forward and full backward waits 0.4 / 2 chunks = 0.2; a W none; I and B alike
+    total = 3 * 8 * 2 * 2 * 0.2
+    for hidden, exposed in found.values():
+        assert hidden + exposed == pytest.approx(total)
+    assert found[False][0] == 0.0
+    # a pair's two exchanges (0.2 each) hide under the other's compute (0.3 or more)
+    pairs = sum(len(p) for p in get_schedule("dualpipe-v", 3, 8, overlap=True).pairs)
+    assert found[True][0] == pytest.approx(pairs * 2 * 0.2)
