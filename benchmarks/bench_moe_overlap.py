@@ -195,13 +195,13 @@ def main() -> None:
     parser.add_argument("--schedules", default="dualpipe-v,dualpipe-v+overlap",
                         help="the first is the baseline; NAME+overlap runs NAME's pairs")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--length", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=16)
-    parser.add_argument("--cost", type=float, default=4e-3,
+    parser.add_argument("--cost", type=float, default=8e-3,
                         help="seconds an attention or an experts call sleeps forward (x2 back)")
-    parser.add_argument("--latency", type=float, default=3e-3)
+    parser.add_argument("--latency", type=float, default=6e-3)
     parser.add_argument("--bandwidth", type=float, default=1e8, help="bytes per second")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
