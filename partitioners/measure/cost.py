@@ -46,6 +46,9 @@ class LayerCost:
             the layer before saves too, as its output (a Linear after a ReLU): in one
             chunk that tensor is kept once, so a chunk's saved bytes count it only
             where the chunk starts at this layer (``saved_bytes_of``).
+        exchange: seconds of its forward spent on expert all-to-alls (part of ``forward``;
+            its backward spends as long): what an overlapped pair can hide
+            (``schedules.Costs.exchange``).
     """
 
     forward: float
@@ -60,11 +63,12 @@ class LayerCost:
     tied: tuple[tuple[int, int], ...] = ()
     weight_bytes: int | None = None
     kept_input_bytes: int | None = None
+    exchange: float = 0.0
 
     def __post_init__(self) -> None:
         _check_seconds("LayerCost", {
             field: getattr(self, field)
-            for field in ("forward", "backward", "backward_input", "backward_weight")
+            for field in ("forward", "backward", "backward_input", "backward_weight", "exchange")
         })
         for field in ("param_bytes", "activation_bytes", "saved_bytes", "shared_input_bytes"):
             value = getattr(self, field)

@@ -21,7 +21,7 @@ memory whatever the pipeline does, so it counts 0. What data-parallel replicas a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from partitioners.measure.cost import (
@@ -56,6 +56,8 @@ class ChunkSums:
             chunk holds (``LayerCost.tied``); a stage without that chunk holds a copy.
         shard_groups: per chunk, the parameter bytes of each of its layers that holds some (an
             FSDP shard group each).
+        exchange: per chunk, seconds of its forward (and as many of its backward) spent on
+            expert all-to-alls; empty: none.
     """
 
     forward: tuple[float, ...]
@@ -68,6 +70,7 @@ class ChunkSums:
     ties: tuple[tuple[int, int, int], ...] = ()
     weight: tuple[int, ...] = ()
     shard_groups: tuple[tuple[int, ...], ...] = ()
+    exchange: tuple[float, ...] = ()
 
 
 def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
@@ -117,6 +120,9 @@ def chunk_sums(costs: Sequence[LayerCost], sizes: Sequence[int],
         tuple(fields["F"]), tuple(fields["B"]), tuple(fields["I"]), tuple(fields["W"]),
         saved=tuple(saved), params=tuple(params), inputs=tuple(inputs), ties=ties,
         weight=tuple(weight), shard_groups=tuple(shard_groups),
+        exchange=tuple(sum(cost.exchange for cost in costs[first:end])
+                       for first, end in zip(ends, ends[1:]))
+        if any(cost.exchange for cost in costs) else (),
     )
 
 
@@ -166,6 +172,15 @@ def tied_copies(sums: ChunkSums, placement: Sequence[int]) -> list[tuple[int, in
     return list(copies.values())
 
 
+def without_exchanges(sums: ChunkSums) -> ChunkSums:
+    """``sums`` less the expert all-to-all time of every F, B and I: what overlapped pairs
+    leave when they hide it all (a lower bound's costs)."""
+    less = sums.exchange
+    return replace(sums, forward=tuple(f - x for f, x in zip(sums.forward, less)),
+                   backward=tuple(b - x for b, x in zip(sums.backward, less)),
+                   input_grad=tuple(i - x for i, x in zip(sums.input_grad, less)))
+
+
 def candidate_costs(
     sums: ChunkSums,
     scale: Sequence[float],
@@ -192,6 +207,7 @@ def candidate_costs(
         input_bytes=sums.inputs,
         fixed_bytes=tuple((2 + optimizer_factor) * p for p in params),
         weight_bytes=sums.weight or None,
+        exchange=sums.exchange or 0.0,
     )
 
 

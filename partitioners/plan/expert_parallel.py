@@ -83,6 +83,7 @@ def spread_costs(costs: Sequence[LayerCost], expert_parallel: ExpertParallelism
         exchange = 2 * exchanges * expert_parallel.exchange_seconds(cost.activation_bytes * picks)
         found.append(replace(
             cost, forward=cost.forward + exchange, backward=cost.backward + exchange,
+            exchange=cost.exchange + exchange,
             backward_input=cost.backward_input + exchange if cost.backward_input else 0.0,
             param_bytes=round(cost.param_bytes * held),
             weight_bytes=None if cost.weight_bytes is None else round(cost.weight_bytes * held)))

@@ -38,6 +38,7 @@ from partitioners.plan.costs import (
     candidate_costs,
     chunk_sums,
     makespan_lower_bound,
+    without_exchanges,
     microbatch_scale,
     recomputed_flags,
 )
@@ -293,7 +294,8 @@ class _Search:
         for name in names:
             info = schedule_info(name)
             for m in counts:
-                for options in variants(name, self.stages, m):
+                exchanges = any(cost.exchange for cost in self.table.at(self.rows(m)))
+                for options in variants(name, self.stages, m, exchanges):
                     chunks = self.stages * info.chunks(**dict(options))
                     layers = len(self.table.at(self.rows(m)))
                     if chunks > layers:
@@ -313,6 +315,8 @@ class _Search:
               cut: tuple[int, ...]) -> float:
         info = schedule_info(name)
         sums = chunk_sums(self.table.at(self.rows(microbatches)), cut, self.overhead)
+        if dict(options).get("overlap") and sums.exchange:  # pairs may hide every exchange
+            sums = without_exchanges(sums)
         scale = microbatch_scale(self.batch, microbatches) or (1.0,) * microbatches
         placement = _placement(info.placement, self.stages, len(cut))
         return makespan_lower_bound(sums, placement, info.split_backward, scale,

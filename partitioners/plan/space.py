@@ -97,14 +97,16 @@ def check_limit(memory_limit: float | None) -> float | None:
     return None if math.isinf(memory_limit) else float(memory_limit)
 
 
-def variants(name: str, stages: int, microbatches: int) -> Iterator[Options]:
+def variants(name: str, stages: int, microbatches: int, exchanges: bool = False
+             ) -> Iterator[Options]:
     """The options searched for schedule ``name`` at ``stages`` and ``microbatches``.
 
     Interleaved 1F1B: two chunks per stage. ``zb``: up to three ``max_inflight``
     points strictly between ZB-H1 (``P``) and ZB-H2 (``2P-1``), one per distinct
     number of extra micro-batches ``e = min(k - P, M - P)`` that is neither
-    schedule (``1 <= e < min(P - 1, M - P)``). Others: their defaults. Nothing
-    when ``microbatches`` is below the schedule's minimum.
+    schedule (``1 <= e < min(P - 1, M - P)``). DualPipeV: with ``exchanges`` (the
+    units spend time on expert all-to-alls) its overlapped pairs too. Others: their
+    defaults. Nothing when ``microbatches`` is below the schedule's minimum.
     """
     info = schedule_info(name)
     least = info.min_microbatches(stages) if info.min_microbatches else 1
@@ -121,6 +123,8 @@ def variants(name: str, stages: int, microbatches: int) -> Iterator[Options]:
                 yield (("max_inflight", k),)
     else:
         yield ()
+        if name == "dualpipe-v" and exchanges:
+            yield (("overlap", True),)
 
 
 @lru_cache(maxsize=512)

@@ -185,3 +185,26 @@ def test_what_ep_ranks_cannot_share_is_refused_naming_the_module() -> None:
         expert_count("layers.0", torch.nn.Sequential())
     with pytest.raises(ValueError, match=r"'layers.0' .* parameters in submodules"):
         expert_count("layers.0", model.layers[0])
+
+
+def test_the_planner_picks_dualpipe_v_pairs_where_exchanges_are_worth_hiding() -> None:
+    from partitioners.plan.search import plan
+
+    hop = Link(latency=2e-3, bandwidth=1e8)  # an exchange as long as most of a forward
+    units = [LayerCost(forward=3e-3, backward=6e-3, param_bytes=400, activation_bytes=4000)
+             for _ in range(8)]
+    spread = ExpertParallelism(2, experts=(0.75,) * 8, exchanges=(1,) * 8, picks=(2,) * 8,
+                               link=hop)
+    moe = spread_costs(units, spread)
+    assert all(cost.exchange > 0 for cost in moe)
+    chosen = plan({1: moe, 2: moe}, stages=2, batch=16, microbatch_counts=[8, 16],
+                  schedules=["1f1b", "zb-v", "dualpipe-v"], checkpoints=["never"], prune=False)
+    assert (chosen.schedule, dict(chosen.schedule_options)) == ("dualpipe-v", {"overlap": True})
+    pairs = [c for c in chosen.candidates if dict(c.schedule_options).get("overlap")]
+    plain = [c for c in chosen.candidates if c.schedule == "dualpipe-v"
+             and not dict(c.schedule_options)]
+    assert pairs and plain and min(c.step_time for c in pairs) < min(c.step_time for c in plain)
+    # without exchanges the pairs are not searched at all
+    bare = plan({1: units, 2: units}, stages=2, batch=16, microbatch_counts=[8, 16],
+                schedules=["dualpipe-v"], checkpoints=["never"])
+    assert not any(dict(c.schedule_options) for c in bare.candidates)
