@@ -11,6 +11,10 @@ the rank holding its expert and comes back weighted.
     torchrun --nproc-per-node 4 examples/train_moe.py --steps 2 --compare
     torchrun --nproc-per-node 4 examples/train_moe.py --model qwen2-moe --schedule zb-v
     torchrun --nproc-per-node 4 examples/train_moe.py --float64 --compare --steps 2
+    torchrun --nproc-per-node 4 examples/train_moe.py --schedule dualpipe-v --overlap --compare
+
+``--overlap`` runs DualPipeV's steady state as overlapped F&B pairs: each one's token
+exchanges run while the other computes (``schedules.pairs``).
 
 ``--compare`` checks the loss and every parameter's gradient, by the model's own names
 (experts gathered whole), against the plain model on the whole batch: float32 within
@@ -70,6 +74,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--checkpoint", default="never")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the schedule's overlapped F&B pairs (dualpipe-v)")
     parser.add_argument("--ep", type=int, default=2, help="ranks the experts are spread over")
     parser.add_argument("--float64", action="store_true")
     parser.add_argument("--compare", action="store_true",
@@ -95,6 +101,7 @@ def main() -> None:
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=3e-3) if plain else None
     sample = {key: value[mine] for key, value in copy_task(args.rows, args.half, 0)[0].items()}
     with Pipe(model, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint,
+              schedule_options={"overlap": True} if args.overlap else None,
               loss_fn=SummedLoss(lm_loss, token_count), sample=sample,
               distributed=Distributed.from_mesh(mesh, expert_parallel="auto")) as pipe:
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
