@@ -15,8 +15,8 @@ Exactly one of the two runs at any moment: the turns are handed over at fixed po
 exchange's issue), the same on every rank of the ``ep`` group, so every rank issues the
 group's all-to-alls in one order and no collective can pass another (NCCL's rule). The
 forward runs on a thread of its own only to keep its own call stack and thread-local
-state (grad mode, saved-tensor hooks, autocast: the caller's, captured at the pair's
-start, as a stage thread gets them), not to run at the same time: recomputation and
+state (grad mode, saved-tensor hooks, autocast, the CUDA device and stream: the caller's,
+captured at the pair's start, as a stage thread gets them), not to run at the same time: recomputation and
 selective checkpointing see what they see in any forward. The time each one computed is
 measured, so the pair's two events share its interval in that proportion.
 """
@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from pipeline.runtime.context import CallerState
 
@@ -45,6 +48,7 @@ class Turns:
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._state = CallerState.capture()
+        self._cuda = _cuda_place()
         self._cancelled = False
         self.done = False
         self.result: Any = None
@@ -61,7 +65,7 @@ class Turns:
         try:
             if self._cancelled:
                 raise PairCancelled()
-            with self._state.applied():
+            with self._state.applied(), _on_cuda(self._cuda):
                 self.result = self._forward()
         except BaseException as error:  # handed to the backward's thread
             self.error = error
@@ -100,6 +104,25 @@ class Turns:
         while not self.done:
             self.give()
         self._thread.join()
+
+
+def _cuda_place() -> tuple[int, Any] | None:
+    """The calling thread's CUDA device and stream (thread-local in torch), if CUDA runs."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.current_device(), torch.cuda.current_stream()
+
+
+@contextmanager
+def _on_cuda(place: tuple[int, Any] | None) -> Iterator[None]:
+    """The forward's thread on the backward's device and stream: one stream, in turns."""
+    if place is None:
+        yield
+        return
+    device, stream = place
+    torch.cuda.set_device(device)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def while_in_flight() -> bool:
