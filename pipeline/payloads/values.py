@@ -153,6 +153,14 @@ def _fields(cls: type) -> tuple[str, ...]:
     return tuple(field.name for field in dataclasses.fields(cls) if field.init)
 
 
+def _required(cls: type) -> set[str]:
+    """The constructor's fields without a default: a value may leave out the others (a
+    ``Schedule`` without ``pairs`` is one without pairs)."""
+    return {field.name for field in dataclasses.fields(cls) if field.init
+            and field.default is dataclasses.MISSING
+            and field.default_factory is dataclasses.MISSING}
+
+
 def decode(data: bytes) -> Any:
     """The value that ``encode`` wrote as ``data``.
 
@@ -261,7 +269,7 @@ class _Reader:
             return _rebuild(name, cls, self.value(data["value"], depth + 1))
         fields = data.get("fields")
         expect(set(data) == {"type", "fields"} and type(fields) is dict
-               and set(fields) == set(_fields(cls)),
+               and _required(cls) <= set(fields) <= set(_fields(cls)),
                f"a {name} with the fields {', '.join(_fields(cls))}", data)
         assert isinstance(fields, dict)  # checked just above
         values = {field: self.value(item, depth + 1) for field, item in fields.items()}

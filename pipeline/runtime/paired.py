@@ -16,9 +16,10 @@ exchange's issue), the same on every rank of the ``ep`` group, so every rank iss
 group's all-to-alls in one order and no collective can pass another (NCCL's rule). The
 forward runs on a thread of its own only to keep its own call stack and thread-local
 state (grad mode, saved-tensor hooks, autocast, the CUDA device and stream: the caller's,
-captured at the pair's start, as a stage thread gets them), not to run at the same time: recomputation and
-selective checkpointing see what they see in any forward. The time each one computed is
-measured, so the pair's two events share its interval in that proportion.
+captured at the pair's start, as a stage thread gets them), not to run at the same
+time: recomputation and selective checkpointing see what they see in any forward. The
+time each one computed is measured, so the pair's two events share its interval in that
+proportion.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class Turns:
 
 def _cuda_place() -> tuple[int, Any] | None:
     """The calling thread's CUDA device and stream (thread-local in torch), if CUDA runs."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not torch.cuda.is_available():
+        return None
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return None
     return torch.cuda.current_device(), torch.cuda.current_stream()
 

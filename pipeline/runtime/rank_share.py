@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from schedules import Schedule, comm_plan, forward_only, validate_comm
 from schedules.comm import Strategy
 
-from pipeline.runtime.executor import StageSteps
+from pipeline.runtime.stage_steps import StageSteps
 
 
 @dataclass(frozen=True, eq=False)

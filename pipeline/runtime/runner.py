@@ -17,7 +17,8 @@ from pipeline.compute.chunk import ChunkRunner
 from pipeline.compute.recompute import step_seed
 from pipeline.payloads.tree import differentiable, flatten
 from pipeline.runtime.data_parallel import DataParallel, Sharding
-from pipeline.runtime.executor import StageSteps, StageResult
+from pipeline.runtime.executor import StageResult
+from pipeline.runtime.stage_steps import StageSteps
 
 
 RECENT_STEPS = 5  # measured steps that refine predict(): one step on shared cores is noisy
