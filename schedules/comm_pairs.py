@@ -13,8 +13,8 @@ can stall under NCCL's rules is what ``validate_comm`` proves, as for any plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from array import array
+from collections.abc import Sequence
 
 from schedules.comm_messages import Messages, Moves
 from schedules.plan_steps import RECEIVE

@@ -80,11 +80,3 @@ def joined_pairs(texts: list[str], positions: Sequence[int]) -> list[str]:
         else:
             joined.append(text)
     return joined
-
-
-def paired_with(pairs: Sequence[int]) -> dict[int, int]:
-    """Position -> the position of its partner, both ways, for one stage."""
-    partner: dict[int, int] = {}
-    for position in pairs:
-        partner[position], partner[position + 1] = position + 1, position
-    return partner

@@ -14,7 +14,9 @@ graph holds where it is called and on what, whatever the module computes inside.
 
 The all-to-alls are differentiable (backward: the same exchange reversed), so a rank's
 experts get the gradients of every rank's tokens they computed. Every rank of the ``ep``
-group runs each exchange, in the same order, also with nothing to send.
+group runs each exchange, in the same order, also with nothing to send. Between issuing a
+token all-to-all and waiting for it, ``Exchange.in_flight`` lets the other action of an
+overlapped pair compute (``pipeline.runtime.paired``).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from __future__ import annotations
 import copy
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from collections.abc import Callable
 from typing import Any
 
 import torch
