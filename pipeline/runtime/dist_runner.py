@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -26,7 +27,7 @@ from pipeline.runtime.executor import StageResult, StepInputs, StepMeter, run_st
 from pipeline.runtime.remote_layers import free_remote_layers, shared_across_stages
 from pipeline.runtime.step_state import StepState
 from pipeline.runtime.step_times import StepTimes
-from pipeline.runtime.expert_parallel import ExpertSplit
+from pipeline.runtime.expert_parallel import ExpertSplit, expert_parameters, unmatched_pairs
 from pipeline.runtime.paired import while_in_flight
 from pipeline.runtime.tensor_parallel import TensorSplit, send_shards
 from pipeline.runtime.rank_share import rank_share
@@ -155,8 +156,20 @@ class DistRunner:
         if expert_parallel is not None:
             self.exchange = expert_parallel.apply(self.local_layers)
             self.exchange.in_flight = while_in_flight
+            self._warn_unmatched_pairs()
         self.data_parallel.shard([self.model[index] for index in self.local_layers])
         return {key: self.model[index].get_parameter(name) for key, (index, name) in paths.items()}
+
+    def _warn_unmatched_pairs(self) -> None:
+        experts = {c: expert_parameters([self.model[i] for i in self.layers_of[c]])
+                   for c in self.schedule.chunks_of_stage[self.stage]}
+        for forward, backward, mine, theirs in unmatched_pairs(self.schedule, self.stage,
+                                                               experts):
+            warnings.warn(
+                f"stage {self.stage}: overlapped pairs run chunk {forward}'s forward ({mine} "
+                f"expert parameters) with chunk {backward}'s backward ({theirs}): the side "
+                f"with more exchanges waits its surplus in full. Cut the model so that "
+                f"paired chunks hold as many MoE layers (Pipe(balance=...))", stacklevel=2)
 
     @property
     def sharding(self) -> Sharding:

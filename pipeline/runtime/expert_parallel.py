@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from schedules import Schedule
 from units import Cut
 
 from pipeline.compute.dtensors import is_dtensor
@@ -48,6 +49,27 @@ class ExpertSplit:
         """Spread the experts of units ``indices`` (this rank's); what counts the
         exchanges (``units.ep_dispatch.Exchange``)."""
         return self.cut.parallelize_experts(self.plan, self.mesh, indices, self.timeout)
+
+
+def unmatched_pairs(schedule: Schedule, stage: int, experts: dict[int, int]
+                    ) -> list[tuple[int, int, int, int]]:
+    """The overlapped pairs of ``stage`` whose chunks hold different numbers of expert
+    parameters (``experts``: per chunk of the stage), as ``(forward chunk, backward chunk,
+    its count, its count)``, each chunk pair once: one side of such a pair issues more
+    exchanges than the other can cover, and waits its surplus in full."""
+    order, found = schedule.orders[stage], []
+    for start in schedule.pairs[stage]:
+        forward, backward = order.chunks[start], order.chunks[start + 1]
+        counts = (experts.get(forward, 0), experts.get(backward, 0))
+        entry = (forward, backward, *counts)
+        if counts[0] != counts[1] and entry not in found:
+            found.append(entry)
+    return found
+
+
+def expert_parameters(modules: Sequence[nn.Module]) -> int:
+    """How many of ``modules``' parameters are expert shards (DTensors over ``ep``)."""
+    return sum(_is_expert(p) for module in modules for p in module.parameters())
 
 
 class ExpertReplicas(Replicate):

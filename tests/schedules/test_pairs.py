@@ -166,3 +166,4 @@ def test_the_exchange_lanes_split_every_exchange_into_hidden_and_exposed(tmp_pat
     # a pair's two exchanges (0.2 each) hide under the other's compute (0.3 or more)
     pairs = sum(len(p) for p in get_schedule("dualpipe-v", 3, 8, overlap=True).pairs)
     assert found[True][0] == pytest.approx(pairs * 2 * 0.2)
+

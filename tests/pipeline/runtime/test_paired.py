@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
+from pipeline.runtime.expert_parallel import unmatched_pairs
+from schedules import get_schedule
 from pipeline.runtime.paired import run_pair, while_in_flight
 
 
@@ -83,3 +85,10 @@ def test_dualpipe_v_pairs_train_exactly_as_its_plain_timetable() -> None:
         found.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
     assert found[0][0] == found[1][0]
     assert all(torch.equal(a, b) for a, b in zip(found[0][1], found[1][1]))
+
+
+def test_pairs_of_chunks_with_unequal_experts_are_named() -> None:
+    schedule = get_schedule("dualpipe-v", 2, 5, overlap=True)
+    assert unmatched_pairs(schedule, 1, {1: 4, 2: 4}) == []
+    assert unmatched_pairs(schedule, 1, {1: 4, 2: 2}) == [(1, 2, 4, 2), (2, 1, 2, 4)]
+    assert unmatched_pairs(get_schedule("dualpipe-v", 2, 5), 1, {1: 4, 2: 2}) == []
