@@ -130,9 +130,21 @@ def run_stage(
     if meter is not None:
         run.take = _timed(transport.take, meter, "wait")
         run.post = _timed(transport.post, meter, "post")
+    _run_steps(run)
+    if run.carrier is not None:
+        run.result.loss_known = run.carrier.known
+    if meter is not None:
+        meter.compute += sum(event.end - event.start for event in run.result.events)
+    return run.result
+
+
+def _run_steps(run: _StageRun) -> None:
+    """Each step of the stage's plan in order: a group posted, an action (or an overlapped
+    pair of them, ``schedules.pairs``) computed."""
+    plan = run.plan
     steps = plan.steps
     kinds, slots, codes = steps.kinds, steps.slots, steps.actions.ops
-    pairs = () if infer else frozenset(plan.comm.schedule.pairs[plan.stage])
+    pairs = () if run.infer else frozenset(plan.comm.schedule.pairs[plan.stage])
     paired = False
     for at in range(len(kinds)):
         slot = slots[at]
@@ -152,11 +164,6 @@ def run_stage(
             _weight(run, slot)
         else:
             _backward(run, slot, code)
-    if run.carrier is not None:
-        run.result.loss_known = run.carrier.known
-    if meter is not None:
-        meter.compute += sum(event.end - event.start for event in run.result.events)
-    return run.result
 
 
 def _timed(function: Callable[..., Any], meter: StepMeter, part: str) -> Callable[..., Any]:
